@@ -1,0 +1,1 @@
+"""Engine builders (ONNX, TensorRT, TensorRT-LLM) — importable as ``paradraft.build``."""

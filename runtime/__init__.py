@@ -1,0 +1,1 @@
+"""The speculative-decoding runtime — importable as ``paradraft.runtime``."""

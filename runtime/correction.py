@@ -1,0 +1,201 @@
+"""Causal correction rules: the single source of truth.
+
+Every rule sees the verifier logits for the K draft positions plus the bonus position
+([B, K+1, V]), the draft tokens [B, K] (and the draft's probabilities where the rule needs
+them), and returns per row the number of accepted draft tokens and the token that follows
+them. Position i of the logits scores draft token i. Acceptance is a prefix: everything after
+the first rejection is discarded (causal rollback). At the stop position n the next token is
+a correction drawn from the verifier's distribution at n, or, when all drafted tokens pass,
+the bonus token from position K.
+
+All randomness comes in as tensors (``Randoms``) so that the ONNX Runtime op, the GPU kernel
+and the TensorRT plugin can be checked against this module for the same random numbers.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+
+Distributions: ``exact`` compares the temperature + top-p distribution the baseline samples
+from (that is what makes it lossless). The seed's heuristic rules (``threshold``, ``ratio``,
+``dynamic``) and ``typical`` test the plain verifier softmax, as the seed writes them, and
+sample their correction with temperature + top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+RULES = ("exact", "greedy", "threshold", "ratio", "dynamic", "typical")
+MAX_K = 64
+
+
+@dataclass(frozen=True)
+class RuleParams:
+    """Correction rule and sampling parameters (validated on construction)."""
+
+    rule: str = "exact"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    tau: float = 0.3  # threshold: τ; dynamic: τ_base
+    gamma: float = 1.0  # ratio: accept while p(draft) / p(best alternative) >= γ
+    alpha: float = 0.1  # dynamic: τ_i = τ_base · (1 + α · H_i)
+    top_p_membership: bool = False  # dynamic: also reject drafts outside the top-p set
+    epsilon: float = 0.09  # typical: accept while p > min(ε, δ · exp(−H))
+    delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}; got {self.rule!r}")
+        check_range("temperature", self.temperature, 0.0, 100.0, low_open=True)
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_range("tau", self.tau, 0.0, 1.0)
+        check_range("gamma", self.gamma, 0.0, 1e6, low_open=True)
+        check_range("alpha", self.alpha, 0.0, 100.0)
+        check_range("epsilon", self.epsilon, 0.0, 1.0)
+        check_range("delta", self.delta, 0.0, 1e6)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.rule == "greedy"
+
+
+def check_range(
+    name: str, value: float, low: float, high: float, low_open: bool = False
+) -> None:
+    """Raise ValueError naming the parameter and its allowed range."""
+    ok = isinstance(value, int | float) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}]; got {value!r}")
+
+
+def check_k(k: int, name: str = "k") -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_K}]; got {k!r}")
+
+
+@dataclass
+class Randoms:
+    accept_uniforms: Tensor  # [B, K] in [0, 1): exact rule's acceptance test
+    sample_noise: Tensor  # [B, V] ~ Exp(1): one sample per row at the stop position
+
+
+def draw_randoms(
+    batch: int, k: int, vocab: int, generator: torch.Generator | None, device="cpu"
+) -> Randoms:
+    return Randoms(
+        accept_uniforms=torch.rand(batch, k, generator=generator, device=device),
+        sample_noise=torch.empty(batch, vocab, device=device).exponential_(generator=generator),
+    )
+
+
+def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
+    """Boolean mask of the smallest set of tokens whose mass reaches top_p (nucleus)."""
+    if top_p >= 1.0:
+        return torch.ones_like(probs, dtype=torch.bool)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = mass_before < top_p  # the top token always stays (mass_before = 0)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sampling_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """The distribution plain decoding samples from: softmax(logits / T) cut to top-p."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        probs = probs * top_p_mask(probs, top_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, noise: Tensor) -> Tensor:
+    """Draw from probs (unnormalised is fine) with the exponential race; noise ~ Exp(1)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    return -(log_probs.exp() * log_probs).nan_to_num().sum(-1)
+
+
+def acceptance_mask(
+    logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    params: RuleParams,
+    accept_uniforms: Tensor,
+) -> Tensor:
+    """[B, K] whether each draft token passes the rule on its own (before the prefix scan)."""
+    d = draft_tokens[..., None]
+    if params.rule == "greedy":
+        return logits.argmax(-1) == draft_tokens
+    if params.rule == "exact":
+        p_draft = sampling_probs(logits, params.temperature, params.top_p).gather(-1, d)[..., 0]
+        q_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, d)[..., 0]
+        # accept with probability min(1, p/q), written without a division
+        return accept_uniforms * q_draft < p_draft
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    logp_draft = log_probs.gather(-1, d)[..., 0]
+    if params.rule == "threshold":
+        return logp_draft.exp() > params.tau
+    if params.rule == "ratio":
+        top2, top2_ids = log_probs.topk(2, dim=-1)
+        best_alt = torch.where(top2_ids[..., 0] == draft_tokens, top2[..., 1], top2[..., 0])
+        return logp_draft - best_alt >= math.log(params.gamma)
+    h = entropy(log_probs)
+    if params.rule == "dynamic":
+        accept = logp_draft.exp() > params.tau * (1.0 + params.alpha * h)
+        if params.top_p_membership:
+            accept &= top_p_mask(log_probs.exp(), params.top_p).gather(-1, d)[..., 0]
+        return accept
+    # typical (Medusa): p > min(ε, δ · exp(−H))
+    return logp_draft.exp() > torch.clamp(params.delta * torch.exp(-h), max=params.epsilon)
+
+
+def correct(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    params: RuleParams,
+    randoms: Randoms,
+    num_drafted: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Apply the rule: returns (num_accepted [B], next_token [B]).
+
+    target_logits [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V] or None (a greedy
+    draft: one-hot). num_drafted [B] (optional, <= K) treats positions at or past it as not
+    drafted: the row stops there and takes the verifier's token (adaptive K, causal audit).
+    K = 0 is plain decoding: the next token comes from position 0.
+    """
+    B, K = draft_tokens.shape
+    positions = torch.arange(K, device=draft_tokens.device)
+    accept = acceptance_mask(
+        target_logits[:, :K], draft_tokens, draft_probs, params, randoms.accept_uniforms
+    )
+    if num_drafted is not None:
+        accept &= positions < num_drafted[:, None]
+    num_accepted = accept.long().cumprod(-1).sum(-1)
+
+    stop_logits = target_logits.gather(
+        1, num_accepted[:, None, None].expand(-1, 1, target_logits.shape[-1])
+    )[:, 0]
+    if params.rule == "greedy":
+        return num_accepted, stop_logits.argmax(-1)
+    probs = sampling_probs(stop_logits, params.temperature, params.top_p)
+    if params.rule == "exact" and K > 0:
+        # rejected rows draw from norm(max(p - q, 0)); rows past their drafts take the bonus
+        stop = num_accepted.clamp(max=K - 1)
+        if draft_probs is None:
+            q = torch.nn.functional.one_hot(
+                draft_tokens.gather(1, stop[:, None])[:, 0], probs.shape[-1]
+            ).to(probs.dtype)
+        else:
+            q = draft_probs.gather(1, stop[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0]
+        residual = (probs - q).clamp(min=0)
+        # p == q leaves no residual mass; such a row was accepted with probability 1 anyway
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+        limit = K if num_drafted is None else num_drafted
+        rejected = num_accepted < limit
+        probs = torch.where(rejected[:, None], residual, probs)
+    return num_accepted, sample(probs, randoms.sample_noise)
