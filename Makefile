@@ -17,8 +17,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	# exit code 5 = no tests collected: treated as a failure of the suite's layout, not a pass
-	$(BIN)/python -m pytest -q tests
+	# pytest exit code 5 = no tests collected: say so and fail, never pass silently
+	$(BIN)/python -m pytest -q tests; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -57,7 +57,7 @@ def pair(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+            p.add_(torch.randn(p.shape, generator=g) * 0.004)
     ddir = save_hf(draft, tmp_path_factory.mktemp("draft"))
     pcfg = tiny_config("llama", layers=3, tie_word_embeddings=False, mask_token_id=VOCAB - 1)
     parallel = transformers.AutoModelForCausalLM.from_config(pcfg).eval()

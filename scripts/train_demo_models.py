@@ -1,0 +1,1123 @@
+#!/usr/bin/env python
+"""Train the small demo models used by paradraft, from scratch, on CPU.
+
+Produces, under ``--out`` (default ``models/demo``):
+
+* ``verifier/``        LlamaForCausalLM (~14 M params) trained as a causal LM plus an
+                       early-exit loss so its first ``self_draft_layers`` layers + final norm +
+                       LM head work as a "self-draft".
+* ``draft/``           tiny LlamaForCausalLM (~2.4 M params) distilled from the verifier.
+* ``parallel_draft/``  same shape as ``draft``, trained PARD-style: one forward pass over
+                       ``context + [mask] * (K - 1)`` proposes K tokens.
+* ``split.json``, ``training_metrics.json``, ``MODEL_CARD.md``.
+
+The corpus is the running interpreter's own standard library (``.py`` files only), split by
+file into train / held-out.  Scratch state (token caches, resumable checkpoints, log) lives in
+``<out>/.work/`` which is git-ignored.
+
+Example::
+
+    nice -n 10 .venv/bin/python scripts/train_demo_models.py --out models/demo --seed 0
+
+Every training stage stops at whichever comes first: its step limit (``--<stage>-steps``) or
+its wall-clock budget (``--<stage>-minutes``).  The LR schedule is a linear warmup (in steps)
+followed by a cosine decay over the stage's progress, progress = max(step / steps,
+elapsed / budget), so the LR is fully decayed whichever limit ends the stage, even when the CPU
+is shared and its speed varies.  Batches are a pure function of (seed, stage, step), so a run
+with a step limit that binds before its time budget is reproducible from the seed; the step
+counts of each run are recorded in ``training_metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<pad>"
+MASK_TOKEN = "<mask>"
+EOS_ID, PAD_ID, MASK_ID = 0, 1, 2
+VOCAB_SIZE = 8192
+SEQ_LEN = 256
+MAX_POSITIONS = 1024
+PARALLEL_MAX_K = 8
+EXCLUDED_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+STAGES = ("tokenizer", "verifier", "draft", "parallel", "report")
+STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelShape:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+@dataclass
+class StageConfig:
+    name: str
+    minutes: float
+    max_steps: int | None  # None: plan from the wall-clock budget
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+VERIFIER_SHAPE = ModelShape(512, 4, 8, 4, 1024)
+DRAFT_SHAPE = ModelShape(192, 2, 4, 2, 512)
+SELF_DRAFT_LAYERS = 1
+
+
+@dataclass
+class RunConfig:
+    out: Path
+    seed: int
+    stage: str
+    resume: bool
+    ckpt_minutes: float
+    heldout_fraction: float
+    eval_sequences: int
+    agreement_prompts: int
+    verifier: StageConfig
+    draft: StageConfig
+    parallel: StageConfig
+
+    @property
+    def work(self) -> Path:
+        return self.out / ".work"
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def update_metrics(cfg: RunConfig, key: str, value: object) -> None:
+    path = cfg.out / "training_metrics.json"
+    metrics = load_json(path)
+    metrics[key] = value
+    save_json(path, metrics)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights are counted once
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d != ".work"]
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# corpus + split
+# --------------------------------------------------------------------------------------------
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_corpus_files(root: Path) -> list[str]:
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in filenames:
+            if name.endswith(".py"):
+                files.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(files)
+
+
+def is_heldout(rel_path: str, seed: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{seed}:{rel_path}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def read_source(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def make_split(cfg: RunConfig) -> dict:
+    root = stdlib_dir()
+    files = list_corpus_files(root)
+    heldout = [f for f in files if is_heldout(f, cfg.seed, cfg.heldout_fraction)]
+    held = set(heldout)
+    train = [f for f in files if f not in held]
+    split = {
+        "python_version": platform.python_version(),
+        "stdlib_dir": str(root),
+        "excluded_dirs": sorted(EXCLUDED_DIRS),
+        "seed": cfg.seed,
+        "heldout_fraction": cfg.heldout_fraction,
+        "rule": "held out iff sha256(f'{seed}:{relpath}')[:8] / 2**64 < heldout_fraction",
+        "n_files": len(files),
+        "n_train_files": len(train),
+        "n_heldout_files": len(heldout),
+        "train_bytes": sum((root / f).stat().st_size for f in train),
+        "heldout_bytes": sum((root / f).stat().st_size for f in heldout),
+        "heldout_files": heldout,
+    }
+    save_json(cfg.out / "split.json", split)
+    return split
+
+
+def split_files(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    split = load_json(cfg.out / "split.json")
+    held = set(split["heldout_files"])
+    files = list_corpus_files(Path(split["stdlib_dir"]))
+    return [f for f in files if f not in held], sorted(held)
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(cfg: RunConfig) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    t0 = time.time()
+    split = make_split(cfg)
+    log(f"corpus: {split['n_files']} files ({split['n_train_files']} train, "
+        f"{split['n_heldout_files']} held-out) from {split['stdlib_dir']}")
+    root = Path(split["stdlib_dir"])
+    train, heldout = split_files(cfg)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, MASK_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    tok.train_from_iterator((read_source(root / f) for f in train), trainer, length=len(train))
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID
+    assert tok.token_to_id(PAD_TOKEN) == PAD_ID
+    assert tok.token_to_id(MASK_TOKEN) == MASK_ID
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS,
+    )
+    tok_dir = cfg.work / "tokenizer"
+    save_tokenizer_files(fast, tok_dir)
+
+    # round-trip check on held-out files through the transformers wrapper
+    loaded = AutoTokenizer.from_pretrained(tok_dir)
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (0, 0, 1)
+    assert loaded.mask_token_id == MASK_ID
+    loaded.model_max_length = 10**9  # whole files are encoded here; silences a length warning
+    for f in heldout[:20]:
+        text = read_source(root / f)
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert loaded.decode(ids) == text, f"tokenizer round-trip failed on {f}"
+
+    stats = pretokenize(cfg, tok, root, train, heldout)
+    stats["tokenizer_sha256"] = file_sha256(tok_dir / "tokenizer.json")
+    stats["vocab_size"] = tok.get_vocab_size()
+    stats["wall_seconds"] = round(time.time() - t0, 1)
+    update_metrics(cfg, "corpus", {k: v for k, v in split.items() if k != "heldout_files"})
+    update_metrics(cfg, "tokenizer", stats)
+    log(f"tokenizer done: {stats}")
+
+
+def save_tokenizer_files(fast: object, tok_dir: Path) -> None:
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(tok_dir)  # type: ignore[attr-defined]
+    conf_path = tok_dir / "tokenizer_config.json"
+    conf = load_json(conf_path)
+    # the generic class name loads with both transformers 4.x and 5.x
+    conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+    conf.update(bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                mask_token=MASK_TOKEN, clean_up_tokenization_spaces=False,
+                model_max_length=MAX_POSITIONS, add_bos_token=False, add_eos_token=False)
+    save_json(conf_path, conf)
+    save_json(tok_dir / "special_tokens_map.json", {
+        "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN,
+    })
+
+
+def pretokenize(cfg: RunConfig, tok: object, root: Path, train: list[str],
+                heldout: list[str]) -> dict:
+    """Encode every file once; documents are joined with <|endoftext|> (also leading)."""
+    stats: dict[str, int] = {}
+    for name, files in (("train", train), ("heldout", heldout)):
+        pieces: list[np.ndarray] = []
+        for start in tqdm(range(0, len(files), 64), desc=f"encode {name}", mininterval=5):
+            batch = [read_source(root / f) for f in files[start:start + 64]]
+            for enc in tok.encode_batch(batch):  # type: ignore[attr-defined]
+                pieces.append(np.asarray([EOS_ID, *enc.ids], dtype=np.uint16))
+        arr = np.concatenate([*pieces, np.asarray([EOS_ID], dtype=np.uint16)])
+        np.save(cfg.work / f"tokens_{name}.npy", arr)
+        stats[f"{name}_tokens"] = int(arr.size)
+    return stats
+
+
+def load_tokens(cfg: RunConfig, name: str) -> np.ndarray:
+    return np.load(cfg.work / f"tokens_{name}.npy")
+
+
+# --------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------
+
+
+def build_model(shape: ModelShape, **extra: object) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        hidden_act="silu",
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        **extra,
+    )
+    return LlamaForCausalLM(config)
+
+
+def load_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.float()
+
+
+def save_model(cfg: RunConfig, model: torch.nn.Module, name: str) -> Path:
+    """Save in float16 with tokenizer files, then reload in fp32 and sanity-check."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = cfg.out / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for p in model.parameters():
+        max_abs = p.detach().abs().max().item()
+        assert math.isfinite(max_abs) and max_abs < 6e4, f"weight overflows fp16 ({max_abs})"
+    half = copy.deepcopy(model).to(torch.float16)
+    half.generation_config.bos_token_id = EOS_ID
+    half.generation_config.eos_token_id = EOS_ID
+    half.generation_config.pad_token_id = PAD_ID
+    half.save_pretrained(out_dir, safe_serialization=True)
+    # legacy spellings next to transformers 5's "dtype" / "rope_parameters", for other readers
+    conf = load_json(out_dir / "config.json")
+    conf["torch_dtype"] = "float16"
+    conf["rope_theta"] = float(model.config.rope_parameters["rope_theta"])
+    save_json(out_dir / "config.json", conf)
+    for fname in TOKENIZER_FILES:
+        (out_dir / fname).write_bytes((cfg.work / "tokenizer" / fname).read_bytes())
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    AutoTokenizer.from_pretrained(out_dir)
+    probe = torch.arange(3, 3 + 64).remainder(VOCAB_SIZE).unsqueeze(0)
+    with torch.no_grad():
+        ref = model.eval()(probe).logits
+        got = reloaded(probe).logits
+    assert torch.isfinite(got).all(), "non-finite logits after fp16 round trip"
+    err = (ref - got).abs().max().item()
+    assert err < 0.5, f"fp16 round trip changed logits by {err}"
+    for p in reloaded.parameters():
+        assert torch.isfinite(p).all()
+    log(f"saved {out_dir} (fp16 round-trip max |dlogit| = {err:.4f})")
+    return out_dir
+
+
+def shape_of(model: torch.nn.Module) -> dict:
+    c = model.config
+    return {
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": bool(c.tie_word_embeddings),
+        "parameters": count_params(model),
+    }
+
+
+class LayerTap:
+    """Forward hook that keeps the output of one decoder layer (for the early-exit loss)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.value: torch.Tensor | None = None
+        self.handle = layer.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.value = output[0] if isinstance(output, tuple) else output  # type: ignore[index]
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def early_exit_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(hidden))
+
+
+def self_draft_forward(model: torch.nn.Module, input_ids: torch.Tensor,
+                       n_layers: int) -> torch.Tensor:
+    """First n_layers + final norm + LM head (LlamaModel runs layers[:num_hidden_layers])."""
+    config = model.model.config
+    full = config.num_hidden_layers
+    config.num_hidden_layers = n_layers
+    try:
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+    finally:
+        config.num_hidden_layers = full
+    return model.lm_head(hidden)
+
+
+# --------------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------------
+
+
+def step_rng(seed: int, stage: str, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, STAGE_INDEX[stage], step])
+
+
+def random_windows(tokens: np.ndarray, rng: np.random.Generator, batch: int,
+                   length: int) -> torch.Tensor:
+    starts = rng.integers(0, tokens.size - length, size=batch)
+    rows = np.stack([tokens[s:s + length] for s in starts]).astype(np.int64)
+    return torch.from_numpy(rows)
+
+
+def eval_windows(tokens: np.ndarray, count: int, length: int = SEQ_LEN + 1) -> torch.Tensor:
+    starts = np.linspace(0, tokens.size - length, count).astype(np.int64)
+    return torch.from_numpy(np.stack([tokens[s:s + length] for s in starts]).astype(np.int64))
+
+
+def parallel_batch(tokens: np.ndarray, rng: np.random.Generator,
+                   batch_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+    """PARD batch: inputs are x[:L] with the last k-1 positions replaced by <mask>.
+
+    With cut c = L - (k - 1), the output at c - 1 predicts x[c] and the output at the j-th
+    mask (position c - 1 + j) predicts x[c + j], i.e. every position i still predicts x[i + 1],
+    so the labels are simply x[1:L + 1].  Returns (inputs, real x[:L], labels, is_mask).
+    """
+    length = int(rng.choice([64, 128, 256]))
+    batch = max(1, batch_tokens // length)
+    x = random_windows(tokens, rng, batch, length + 1)
+    real, labels = x[:, :-1], x[:, 1:]
+    inputs = real.clone()
+    ks = rng.integers(2, PARALLEL_MAX_K + 1, size=batch)
+    is_mask = torch.zeros_like(inputs, dtype=torch.bool)
+    for row, k in enumerate(ks):
+        is_mask[row, length - (int(k) - 1):] = True
+    inputs[is_mask] = MASK_ID
+    return inputs, real, labels, is_mask
+
+
+# --------------------------------------------------------------------------------------------
+# generic training loop with wall-clock budget and resumable checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def make_optimizer(model: torch.nn.Module, sc: StageConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": sc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=sc.lr, betas=sc.betas, eps=1e-8)
+
+
+def stage_progress(step: int, elapsed: float, sc: StageConfig) -> float:
+    by_steps = step / sc.max_steps if sc.max_steps else 0.0
+    by_time = elapsed / (sc.minutes * 60.0)
+    return min(1.0, max(by_steps, by_time))
+
+
+def lr_at(step: int, progress: float, sc: StageConfig) -> float:
+    warmup = min(1.0, (step + 1) / sc.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return sc.lr * warmup * (sc.min_lr_ratio + (1.0 - sc.min_lr_ratio) * cosine)
+
+
+def ckpt_path(cfg: RunConfig, stage: str) -> Path:
+    return cfg.work / f"{stage}_ckpt.pt"
+
+
+def save_checkpoint(cfg: RunConfig, stage: str, model: torch.nn.Module,
+                    opt: torch.optim.Optimizer, state: dict) -> None:
+    payload = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "state": state,
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+    tmp = ckpt_path(cfg, stage).with_suffix(".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(ckpt_path(cfg, stage))
+
+
+def load_checkpoint(cfg: RunConfig, stage: str, model: torch.nn.Module,
+                    opt: torch.optim.Optimizer) -> dict | None:
+    path = ckpt_path(cfg, stage)
+    if not (cfg.resume and path.exists()):
+        return None
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(payload["model"])
+    opt.load_state_dict(payload["optimizer"])
+    torch.set_rng_state(payload["torch_rng"])
+    np.random.set_state(payload["numpy_rng"])
+    random.setstate(payload["python_rng"])
+    log(f"resumed {stage} from {path} at step {payload['state']['step']}")
+    return payload["state"]
+
+
+LossFn = Callable[[int], tuple[torch.Tensor, dict[str, float], int]]
+
+
+def train_loop(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
+               loss_fn: LossFn) -> dict:
+    """Run optimisation steps until the step limit or the wall budget is reached.
+
+    ``loss_fn(step)`` builds the step's batch deterministically from the step index and returns
+    (loss, scalars to log, tokens in the batch).
+    """
+    opt = make_optimizer(model, sc)
+    state = load_checkpoint(cfg, sc.name, model, opt) or {
+        "step": 0, "elapsed": 0.0, "tokens": 0,
+        "loss_ema": None, "history": [],
+    }
+    budget = sc.minutes * 60.0
+    model.train()
+    # the bar counts seconds of the wall budget; steps are shown in the postfix
+    bar = tqdm(total=round(budget), initial=round(state["elapsed"]), desc=sc.name,
+               unit="s", mininterval=10, ncols=110)
+    t_start = time.time() - state["elapsed"]
+    last_ckpt = time.time()
+    stop_reason = "steps"
+    while True:
+        step = state["step"]
+        elapsed = time.time() - t_start
+        if sc.max_steps is not None and step >= sc.max_steps:
+            stop_reason = "steps"
+            break
+        if elapsed >= budget:
+            stop_reason = "wall_clock"
+            break
+        lr = lr_at(step, stage_progress(step, elapsed, sc), sc)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, scalars, n_tok = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
+        opt.step()
+        state["step"] = step + 1
+        state["tokens"] += n_tok
+        value = loss.item()
+        ema = state["loss_ema"]
+        state["loss_ema"] = value if ema is None else 0.98 * ema + 0.02 * value
+        bar.update(min(round(time.time() - t_start), round(budget)) - bar.n)
+        bar.set_postfix(step=state["step"], loss=f"{state['loss_ema']:.3f}", lr=f"{lr:.2e}")
+
+        if state["step"] % 25 == 0:
+            elapsed = time.time() - t_start
+            entry = {"step": state["step"], "loss_ema": round(state["loss_ema"], 4),
+                     "lr": lr, "grad_norm": round(grad_norm, 3), "elapsed": round(elapsed, 1),
+                     **{k: round(v, 4) for k, v in scalars.items()}}
+            state["history"].append(entry)
+            log(f"{sc.name} " + " ".join(f"{k}={v}" for k, v in entry.items())
+                + f" tok/s={state['tokens'] / max(elapsed, 1e-9):.0f}")
+        if time.time() - last_ckpt >= cfg.ckpt_minutes * 60.0:
+            state["elapsed"] = time.time() - t_start
+            save_checkpoint(cfg, sc.name, model, opt, state)
+            last_ckpt = time.time()
+    bar.close()
+    state["elapsed"] = time.time() - t_start
+    save_checkpoint(cfg, sc.name, model, opt, state)
+    model.eval()
+    return {
+        "steps": state["step"],
+        "max_steps": sc.max_steps,
+        "stop_reason": stop_reason,
+        "tokens_seen": state["tokens"],
+        "wall_seconds": round(state["elapsed"], 1),
+        "final_train_loss_ema": round(state["loss_ema"], 4) if state["loss_ema"] else None,
+        "history": state["history"],
+        "hyperparameters": {k: v for k, v in asdict(sc).items() if k != "name"},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# losses
+# --------------------------------------------------------------------------------------------
+
+
+def ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def kl_per_token(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) for each position."""
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# stages
+# --------------------------------------------------------------------------------------------
+
+
+def train_verifier(cfg: RunConfig) -> None:
+    sc = cfg.verifier
+    seed_everything(cfg.seed * 1000 + STAGE_INDEX["verifier"])
+    train_tokens = load_tokens(cfg, "train")
+    model = build_model(VERIFIER_SHAPE, self_draft_layers=SELF_DRAFT_LAYERS)
+    log(f"verifier: {count_params(model):,} parameters")
+    tap = LayerTap(model.model.layers[SELF_DRAFT_LAYERS - 1])
+    aux_weight = sc.extra.get("early_exit_weight", 0.3)
+
+    def loss_fn(step: int) -> tuple[torch.Tensor, dict[str, float], int]:
+        x = random_windows(train_tokens, step_rng(cfg.seed, "verifier", step),
+                           sc.batch_size, SEQ_LEN + 1)
+        inputs, labels = x[:, :-1], x[:, 1:]
+        hidden = model.model(input_ids=inputs).last_hidden_state
+        main = ce(model.lm_head(hidden), labels)
+        assert tap.value is not None
+        early = ce(early_exit_logits(model, tap.value), labels)
+        return main + aux_weight * early, {"ce": main.item(), "early_ce": early.item()}, \
+            inputs.numel()
+
+    result = train_loop(cfg, sc, model, loss_fn)
+    tap.remove()
+    result["early_exit_weight"] = aux_weight
+    result["self_draft_layers"] = SELF_DRAFT_LAYERS
+    result["architecture"] = shape_of(model)
+    result["eval"] = evaluate_verifier(cfg, model)
+    save_model(cfg, model, "verifier")
+    update_metrics(cfg, "verifier", result)
+    log(f"verifier eval: {result['eval']}")
+
+
+def train_draft(cfg: RunConfig) -> None:
+    sc = cfg.draft
+    seed_everything(cfg.seed * 1000 + STAGE_INDEX["draft"])
+    train_tokens = load_tokens(cfg, "train")
+    teacher = load_model(cfg.out / "verifier").eval().requires_grad_(False)
+    model = build_model(DRAFT_SHAPE)
+    log(f"draft: {count_params(model):,} parameters")
+    ce_weight = sc.extra.get("ce_weight", 0.1)
+
+    def loss_fn(step: int) -> tuple[torch.Tensor, dict[str, float], int]:
+        x = random_windows(train_tokens, step_rng(cfg.seed, "draft", step),
+                           sc.batch_size, SEQ_LEN + 1)
+        inputs, labels = x[:, :-1], x[:, 1:]
+        with torch.no_grad():
+            t_logits = teacher(input_ids=inputs).logits
+        s_logits = model(input_ids=inputs).logits
+        kl = kl_per_token(t_logits, s_logits).mean()
+        hard = ce(s_logits, labels)
+        return kl + ce_weight * hard, {"kl": kl.item(), "ce": hard.item()}, inputs.numel()
+
+    result = train_loop(cfg, sc, model, loss_fn)
+    result["ce_weight"] = ce_weight
+    result["architecture"] = shape_of(model)
+    result["eval"] = evaluate_draft(cfg, model, teacher)
+    save_model(cfg, model, "draft")
+    update_metrics(cfg, "draft", result)
+    log(f"draft eval: {result['eval']}")
+
+
+def train_parallel(cfg: RunConfig) -> None:
+    sc = cfg.parallel
+    seed_everything(cfg.seed * 1000 + STAGE_INDEX["parallel"])
+    train_tokens = load_tokens(cfg, "train")
+    teacher = load_model(cfg.out / "verifier").eval().requires_grad_(False)
+    model = load_model(cfg.out / "draft")  # initialise from the distilled draft
+    model.config.mask_token_id = MASK_ID
+    model.config.parallel_draft_max_k = PARALLEL_MAX_K
+    log(f"parallel_draft: {count_params(model):,} parameters (initialised from draft)")
+    ce_weight = sc.extra.get("ce_weight", 0.1)
+    mask_weight = sc.extra.get("mask_weight", 1.0)
+    batch_tokens = sc.batch_size * SEQ_LEN
+
+    def loss_fn(step: int) -> tuple[torch.Tensor, dict[str, float], int]:
+        inputs, real, labels, is_mask = parallel_batch(
+            train_tokens, step_rng(cfg.seed, "parallel", step), batch_tokens)
+        # the teacher sees the true tokens: at every position i it gives the distribution of
+        # x[i+1] given x[:i+1], which is the soft target for both prefix and mask outputs
+        with torch.no_grad():
+            t_logits = teacher(input_ids=real).logits
+        s_logits = model(input_ids=inputs).logits
+        per_tok = kl_per_token(t_logits, s_logits) + ce_weight * F.cross_entropy(
+            s_logits.transpose(1, 2).float(), labels, reduction="none")
+        prefix_loss = per_tok[~is_mask].mean()
+        mask_loss = per_tok[is_mask].mean()
+        return prefix_loss + mask_weight * mask_loss, \
+            {"prefix": prefix_loss.item(), "mask": mask_loss.item()}, inputs.numel()
+
+    result = train_loop(cfg, sc, model, loss_fn)
+    result["ce_weight"] = ce_weight
+    result["mask_weight"] = mask_weight
+    result["architecture"] = shape_of(model)
+    result["eval"] = evaluate_parallel(cfg, model)
+    save_model(cfg, model, "parallel_draft")
+    update_metrics(cfg, "parallel_draft", result)
+    log(f"parallel_draft eval: {result['eval']}")
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def batched(x: torch.Tensor, size: int = 8) -> list[torch.Tensor]:
+    return list(x.split(size))
+
+
+@torch.no_grad()
+def evaluate_verifier(cfg: RunConfig, model: torch.nn.Module) -> dict:
+    model.eval()
+    windows = eval_windows(load_tokens(cfg, "heldout"), cfg.eval_sequences)
+    n_layers = model.config.self_draft_layers
+    tap = LayerTap(model.model.layers[n_layers - 1])
+    main_sum = early_sum = 0.0
+    for x in batched(windows):
+        inputs, labels = x[:, :-1], x[:, 1:]
+        hidden = model.model(input_ids=inputs).last_hidden_state
+        assert tap.value is not None
+        main_sum += ce(model.lm_head(hidden), labels).item() * x.shape[0]
+        early_sum += ce(early_exit_logits(model, tap.value), labels).item() * x.shape[0]
+    tap.remove()
+    n = windows.shape[0]
+    return {"heldout_tokens": n * SEQ_LEN, "heldout_loss": round(main_sum / n, 4),
+            "heldout_ppl": round(math.exp(main_sum / n), 2),
+            f"early_exit_{n_layers}_layers_heldout_loss": round(early_sum / n, 4),
+            f"early_exit_{n_layers}_layers_heldout_ppl": round(math.exp(early_sum / n), 2)}
+
+
+@torch.no_grad()
+def evaluate_draft(cfg: RunConfig, model: torch.nn.Module, teacher: torch.nn.Module) -> dict:
+    model.eval()
+    windows = eval_windows(load_tokens(cfg, "heldout"), cfg.eval_sequences)
+    loss_sum = kl_sum = 0.0
+    for x in batched(windows):
+        inputs, labels = x[:, :-1], x[:, 1:]
+        logits = model(input_ids=inputs).logits
+        loss_sum += ce(logits, labels).item() * x.shape[0]
+        kl_sum += kl_per_token(teacher(input_ids=inputs).logits, logits).mean().item() \
+            * x.shape[0]
+    n = windows.shape[0]
+    return {"heldout_tokens": n * SEQ_LEN, "heldout_loss": round(loss_sum / n, 4),
+            "heldout_ppl": round(math.exp(loss_sum / n), 2),
+            "heldout_kl_from_verifier": round(kl_sum / n, 4)}
+
+
+@torch.no_grad()
+def evaluate_parallel(cfg: RunConfig, model: torch.nn.Module) -> dict:
+    """Held-out CE of the plain next-token output and of each mask offset (K = 8)."""
+    model.eval()
+    windows = eval_windows(load_tokens(cfg, "heldout"), cfg.eval_sequences)
+    n_masks = PARALLEL_MAX_K - 1
+    plain_sum = 0.0
+    offset_sums = np.zeros(PARALLEL_MAX_K)
+    for x in batched(windows):
+        inputs, labels = x[:, :-1], x[:, 1:]
+        plain_sum += ce(model(input_ids=inputs).logits, labels).item() * x.shape[0]
+        masked = inputs.clone()
+        masked[:, -n_masks:] = MASK_ID
+        logits = model(input_ids=masked).logits[:, -PARALLEL_MAX_K:]
+        for j in range(PARALLEL_MAX_K):
+            offset_sums[j] += ce(logits[:, j], labels[:, -PARALLEL_MAX_K + j]).item() \
+                * x.shape[0]
+    n = windows.shape[0]
+    return {"heldout_tokens": n * SEQ_LEN, "heldout_loss": round(plain_sum / n, 4),
+            "heldout_ppl": round(math.exp(plain_sum / n), 2),
+            "heldout_loss_by_offset_k8": [round(float(v) / n, 4) for v in offset_sums],
+            "note": "offset 0 = next token from the last real token; offset j = j-th mask"}
+
+
+@torch.no_grad()
+def agreement_report(cfg: RunConfig) -> dict:
+    """Teacher-forced greedy agreement with the verifier on held-out prompts."""
+    verifier = load_model(cfg.out / "verifier").eval()
+    draft = load_model(cfg.out / "draft").eval()
+    parallel = load_model(cfg.out / "parallel_draft").eval()
+    n_layers = int(verifier.config.self_draft_layers)
+    windows = eval_windows(load_tokens(cfg, "heldout"), cfg.agreement_prompts)
+    inputs, labels = windows[:, :-1], windows[:, 1:]
+    v_logits = verifier(input_ids=inputs).logits
+    v_arg = v_logits.argmax(-1)
+    sd_logits = self_draft_forward(verifier, inputs, n_layers)
+    # the runtime-style truncated forward must match the hook used in training
+    tap = LayerTap(verifier.model.layers[n_layers - 1])
+    verifier(input_ids=inputs)
+    assert tap.value is not None
+    tap_logits = early_exit_logits(verifier, tap.value)
+    tap.remove()
+    assert (tap_logits - sd_logits).abs().max().item() < 1e-3
+    d_arg = draft(input_ids=inputs).logits.argmax(-1)
+    p_arg = parallel(input_ids=inputs).logits.argmax(-1)
+    sd_arg = sd_logits.argmax(-1)
+
+    def frac(a: torch.Tensor, b: torch.Tensor) -> float:
+        return round((a == b).float().mean().item(), 4)
+
+    # parallel draft with K = 8 at a grid of cut points: input x[:c] + [mask] * 7
+    n_masks = PARALLEL_MAX_K - 1
+    cuts = list(range(32, SEQ_LEN - n_masks + 1, 16))
+    match = np.zeros(PARALLEL_MAX_K)
+    match_true = np.zeros(PARALLEL_MAX_K)
+    prefix_accept = np.zeros(PARALLEL_MAX_K + 1)
+    for c in cuts:
+        masked = torch.cat([inputs[:, :c], torch.full((inputs.shape[0], n_masks), MASK_ID)], 1)
+        prop = parallel(input_ids=masked).logits[:, c - 1:].argmax(-1)  # predicts x[c .. c+7]
+        target_v = v_arg[:, c - 1:c - 1 + PARALLEL_MAX_K]  # verifier argmax for x[c+j]
+        target_true = labels[:, c - 1:c - 1 + PARALLEL_MAX_K]
+        eq = (prop == target_v)
+        match += eq.float().sum(0).numpy()
+        match_true += (prop == target_true).float().sum(0).numpy()
+        accepted = eq.int().cumprod(1).sum(1)  # teacher-forced run length of agreement
+        for a in accepted.tolist():
+            prefix_accept[a] += 1
+    total = len(cuts) * inputs.shape[0]
+    accepted_mean = float((np.arange(PARALLEL_MAX_K + 1) * prefix_accept).sum() / total)
+    return {
+        "prompts": int(inputs.shape[0]),
+        "positions_per_prompt": SEQ_LEN,
+        "verifier_top1_accuracy": frac(v_arg, labels),
+        "draft_vs_verifier": frac(d_arg, v_arg),
+        "draft_top1_accuracy": frac(d_arg, labels),
+        f"self_draft_{n_layers}_layers_vs_verifier": frac(sd_arg, v_arg),
+        "self_draft_top1_accuracy": frac(sd_arg, labels),
+        "parallel_next_token_vs_verifier": frac(p_arg, v_arg),
+        "parallel_k8_cuts": len(cuts) * int(inputs.shape[0]),
+        "parallel_k8_offset_vs_verifier": [round(float(m) / total, 4) for m in match],
+        "parallel_k8_offset_top1_accuracy": [round(float(m) / total, 4) for m in match_true],
+        "parallel_first_mask_vs_verifier": round(float(match[1]) / total, 4),
+        "parallel_k8_mean_agreeing_prefix": round(accepted_mean, 3),
+        "note": ("teacher-forced on held-out text; offset 0 is the last real token's output, "
+                 "offset j the j-th mask; compared with the verifier's argmax at the same "
+                 "target position given the true context"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def write_report(cfg: RunConfig) -> None:
+    agreement = agreement_report(cfg)
+    update_metrics(cfg, "agreement", agreement)
+    sizes = {name: dir_size(cfg.out / name) for name in ("verifier", "draft", "parallel_draft")}
+    gitignore = cfg.out / ".gitignore"
+    if not gitignore.exists():
+        gitignore.write_text(".work/\n")
+    # model card + metrics count toward the total; write once, measure, then finalise
+    update_metrics(cfg, "sizes_bytes", sizes)
+    (cfg.out / "MODEL_CARD.md").write_text(model_card(load_json(cfg.out /
+                                                                 "training_metrics.json")))
+    sizes["total_models_demo"] = dir_size(cfg.out)
+    update_metrics(cfg, "sizes_bytes", sizes)
+    metrics = load_json(cfg.out / "training_metrics.json")
+    (cfg.out / "MODEL_CARD.md").write_text(model_card(metrics))
+    log(f"agreement: {json.dumps(agreement)}")
+    log(f"sizes: {sizes}")
+    assert dir_size(cfg.out) <= 40 * 1024 * 1024, "models/demo exceeds 40 MB"
+
+
+def fmt_int(x: object) -> str:
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def model_card(m: dict) -> str:
+    corpus, tok = m.get("corpus", {}), m.get("tokenizer", {})
+    lines = [
+        "# paradraft demo models",
+        "",
+        "Tiny models trained from scratch on CPU by `scripts/train_demo_models.py` so the",
+        "speculative-decoding runtime has a verifier and draft models to work with. They are",
+        "toys: useful for exercising the code paths and for measuring acceptance rates, not",
+        "for generating good code.",
+        "",
+        "Regenerate with:",
+        "",
+        "```bash",
+        m.get("command", "python scripts/train_demo_models.py --out models/demo --seed 0"),
+        "```",
+        "",
+        "## Corpus",
+        "",
+        f"- Python {corpus.get('python_version')} standard library `.py` sources "
+        f"(`{corpus.get('stdlib_dir')}`), excluding directories "
+        f"{', '.join('`' + d + '`' for d in corpus.get('excluded_dirs', []))}.",
+        f"- {fmt_int(corpus.get('n_files'))} files: {fmt_int(corpus.get('n_train_files'))} train "
+        f"({fmt_int(corpus.get('train_bytes'))} bytes), {fmt_int(corpus.get('n_heldout_files'))}"
+        f" held-out ({fmt_int(corpus.get('heldout_bytes'))} bytes). Split by file: "
+        f"{corpus.get('rule')} (seed {corpus.get('seed')}); the list is in `split.json`.",
+        f"- Tokens: {fmt_int(tok.get('train_tokens'))} train, "
+        f"{fmt_int(tok.get('heldout_tokens'))} held-out (documents joined with "
+        "`<|endoftext|>`).",
+        "",
+        "## Tokenizer",
+        "",
+        f"Byte-level BPE (`tokenizers`), vocabulary {fmt_int(tok.get('vocab_size'))}, ByteLevel "
+        "pre-tokenizer (`add_prefix_space=False`) and decoder, so decoding round-trips source "
+        "text exactly. Special tokens: `<|endoftext|>` = 0 (bos/eos/document separator), "
+        "`<pad>` = 1, `<mask>` = 2 (parallel draft). No special tokens are added by `encode`. "
+        "Each model folder carries a copy (`AutoTokenizer.from_pretrained(folder)`).",
+        "",
+        "## Models",
+        "",
+        "All are `LlamaForCausalLM` with tied input/output embeddings, RoPE theta 10000, "
+        f"max positions {MAX_POSITIONS}, RMSNorm eps 1e-5, stored in float16 "
+        "(`model.safetensors`). Trained in fp32 on CPU (2 threads), AdamW, linear warmup + "
+        f"cosine decay, sequence length {SEQ_LEN}. Held-out numbers use "
+        f"{m.get('verifier', {}).get('eval', {}).get('heldout_tokens', '?')} held-out tokens "
+        "(fixed, evenly spaced windows).",
+        "",
+        "| model | layers | hidden | heads / kv | ffn | params | steps | tokens seen | wall | "
+        "train loss (EMA) | held-out loss | held-out ppl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in ("verifier", "draft", "parallel_draft"):
+        r = m.get(key)
+        if not r:
+            continue
+        a, e = r["architecture"], r["eval"]
+        lines.append(
+            f"| `{key}` | {a['num_hidden_layers']} | {a['hidden_size']} | "
+            f"{a['num_attention_heads']} / {a['num_key_value_heads']} | "
+            f"{a['intermediate_size']} | {a['parameters']:,} | {r['steps']} | "
+            f"{r['tokens_seen']:,} | {r['wall_seconds'] / 60:.1f} min | "
+            f"{r['final_train_loss_ema']} | {e['heldout_loss']} | {e['heldout_ppl']} |")
+    v = m.get("verifier")
+    if v:
+        n = v["self_draft_layers"]
+        e = v["eval"]
+        lines += [
+            "",
+            "### verifier",
+            "",
+            f"Causal LM loss plus an early-exit loss (weight {v['early_exit_weight']}): the "
+            f"hidden state after layer {n} goes through the final norm and the LM head and gets "
+            "a next-token cross-entropy. `config.json` records `\"self_draft_layers\": "
+            f"{n}`: the first {n} layer(s) + final norm + LM head form a self-draft. "
+            f"Early-exit held-out loss {e[f'early_exit_{n}_layers_heldout_loss']} "
+            f"(ppl {e[f'early_exit_{n}_layers_heldout_ppl']}).",
+            f"Batch {v['hyperparameters']['batch_size']} x {SEQ_LEN}, peak LR "
+            f"{v['hyperparameters']['lr']}, stopped by {v['stop_reason']}.",
+        ]
+    d = m.get("draft")
+    if d:
+        lines += [
+            "",
+            "### draft",
+            "",
+            "Distilled from the verifier: loss = KL(verifier || draft) per token + "
+            f"{d['ce_weight']} x CE on the data (verifier frozen, eval mode). Held-out KL from "
+            f"the verifier {d['eval']['heldout_kl_from_verifier']}. Batch "
+            f"{d['hyperparameters']['batch_size']} x {SEQ_LEN}, peak LR "
+            f"{d['hyperparameters']['lr']}, stopped by {d['stop_reason']}.",
+        ]
+    p = m.get("parallel_draft")
+    if p:
+        lines += [
+            "",
+            "### parallel_draft",
+            "",
+            "PARD-style parallel draft, initialised from `draft`. At inference the input is the "
+            "context followed by `<mask>` x (K-1) (`mask_token_id` 2, K <= "
+            f"{PARALLEL_MAX_K} = `parallel_draft_max_k`); the output at the last real token "
+            "predicts the next token and the output at the j-th mask predicts the token j+1 "
+            "positions after the last real token. Training: windows of 64/128/256 tokens "
+            "with the last k-1 tokens (k uniform in [2, 8]) replaced by `<mask>`; every "
+            "position is trained towards the verifier's distribution for the same target token "
+            f"given the true context (KL) + {p['ce_weight']} x CE; prefix and mask positions are "
+            f"averaged separately and summed (mask weight {p['mask_weight']}).",
+            "Held-out CE by offset with K = 8 (0 = next token, j = j-th mask): "
+            f"{p['eval']['heldout_loss_by_offset_k8']}.",
+        ]
+    ag = m.get("agreement")
+    if ag:
+        n = m.get("verifier", {}).get("self_draft_layers", 1)
+        lines += [
+            "",
+            "## Greedy agreement with the verifier",
+            "",
+            f"Teacher-forced on {ag['prompts']} held-out windows of {SEQ_LEN} tokens: fraction "
+            "of positions where the drafter's argmax equals the verifier's argmax.",
+            "",
+            "| drafter | agreement with verifier | top-1 accuracy on data |",
+            "|---|---|---|",
+            f"| verifier itself | 1.0 | {ag['verifier_top1_accuracy']} |",
+            f"| `draft` | {ag['draft_vs_verifier']} | {ag['draft_top1_accuracy']} |",
+            f"| self-draft (first {n} layer(s) + norm + head) | "
+            f"{ag[f'self_draft_{n}_layers_vs_verifier']} | {ag['self_draft_top1_accuracy']} |",
+            f"| `parallel_draft`, next token (no masks) | "
+            f"{ag['parallel_next_token_vs_verifier']} | |",
+            f"| `parallel_draft`, first `<mask>` (token after next), K = 8 | "
+            f"{ag['parallel_first_mask_vs_verifier']} | "
+            f"{ag['parallel_k8_offset_top1_accuracy'][1]} |",
+            "",
+            f"Parallel draft with K = 8 over {ag['parallel_k8_cuts']} cut points: agreement by "
+            f"offset {ag['parallel_k8_offset_vs_verifier']}; mean length of the agreeing "
+            f"prefix {ag['parallel_k8_mean_agreeing_prefix']} tokens (teacher-forced, so only "
+            "a rough proxy for the acceptance length).",
+        ]
+    sizes = m.get("sizes_bytes", {})
+    if sizes:
+        lines += ["", "## Sizes", ""]
+        lines += [f"- `{k}`: {v / 1e6:.2f} MB" for k, v in sizes.items()]
+    lines += ["", f"Seed {m.get('seed')}. Raw numbers: `training_metrics.json`.", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("models/demo"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stage", choices=("all", *STAGES), default="all")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from .work checkpoints; with --stage all, skip done stages")
+    ap.add_argument("--verifier-minutes", type=float, default=35.0)
+    ap.add_argument("--draft-minutes", type=float, default=12.0)
+    ap.add_argument("--parallel-minutes", type=float, default=12.0)
+    ap.add_argument("--verifier-steps", type=int, default=None)
+    ap.add_argument("--draft-steps", type=int, default=None)
+    ap.add_argument("--parallel-steps", type=int, default=None)
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    return RunConfig(
+        out=a.out, seed=a.seed, stage=a.stage, resume=a.resume, ckpt_minutes=a.ckpt_minutes,
+        heldout_fraction=0.05, eval_sequences=64, agreement_prompts=20,
+        verifier=StageConfig("verifier", a.verifier_minutes, a.verifier_steps, batch_size=4,
+                             lr=2e-3, warmup_steps=60, extra={"early_exit_weight": 0.3}),
+        draft=StageConfig("draft", a.draft_minutes, a.draft_steps, batch_size=4, lr=3e-3,
+                          warmup_steps=40, extra={"ce_weight": 0.1}),
+        parallel=StageConfig("parallel", a.parallel_minutes, a.parallel_steps, batch_size=4,
+                             lr=1.5e-3, warmup_steps=30,
+                             extra={"ce_weight": 0.1, "mask_weight": 1.0}),
+    )
+
+
+def stage_done(cfg: RunConfig, stage: str) -> bool:
+    metrics = load_json(cfg.out / "training_metrics.json")
+    key = {"tokenizer": "tokenizer", "verifier": "verifier", "draft": "draft",
+           "parallel": "parallel_draft", "report": "agreement"}[stage]
+    if stage == "tokenizer":
+        return key in metrics and (cfg.work / "tokens_heldout.npy").exists()
+    return key in metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    gitignore = cfg.out / ".gitignore"
+    if not gitignore.exists():
+        gitignore.write_text(".work/\n")
+    update_metrics(cfg, "seed", cfg.seed)
+    if cfg.stage == "all" and not cfg.resume:
+        update_metrics(cfg, "command", "python scripts/train_demo_models.py "
+                       + " ".join(sys.argv[1:] if argv is None else argv))
+    update_metrics(cfg, "environment", {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "platform": platform.platform()})
+    stages = STAGES if cfg.stage == "all" else (cfg.stage,)
+    runners = {"tokenizer": train_tokenizer, "verifier": train_verifier, "draft": train_draft,
+               "parallel": train_parallel, "report": write_report}
+    t0 = time.time()
+    for stage in stages:
+        if cfg.resume and cfg.stage == "all" and stage_done(cfg, stage):
+            log(f"skipping {stage}: already done (--resume)")
+            continue
+        log(f"=== stage {stage} ===")
+        runners[stage](cfg)
+    log(f"all requested stages finished in {(time.time() - t0) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
