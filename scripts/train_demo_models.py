@@ -105,6 +105,8 @@ class RunConfig:
     stage: str
     resume: bool
     ckpt_minutes: float
+    max_threads: int
+    tune_threads: bool
     heldout_fraction: float
     eval_sequences: int
     agreement_prompts: int
@@ -545,6 +547,43 @@ def load_checkpoint(cfg: RunConfig, stage: str, model: torch.nn.Module,
     return payload["state"]
 
 
+class ThreadTuner:
+    """Re-picks torch's intra-op thread count (1..max) from measured step times.
+
+    On a CPU shared with other (higher-priority) jobs one thread is often faster than two,
+    because every parallel op waits for its slowest thread.  Every ``period`` steps each
+    candidate runs ``probe`` real training steps; the fastest is kept until the next probe.
+    """
+
+    def __init__(self, max_threads: int, enabled: bool, period: int = 100,
+                 probe: int = 4) -> None:
+        self.options = list(range(1, max_threads + 1)) if enabled else [max_threads]
+        self.period, self.probe = period, probe
+        self.best = max_threads
+        self.times: dict[int, list[float]] = {}
+        torch.set_num_threads(max_threads)
+
+    def before_step(self, step: int) -> None:
+        if len(self.options) == 1:
+            return
+        phase = step % self.period
+        n_probe = self.probe * len(self.options)
+        if phase == 0:
+            self.times = {}
+        if phase < n_probe:
+            torch.set_num_threads(self.options[phase // self.probe])
+        elif phase == n_probe and self.times:
+            self.best = min(self.times, key=lambda t: float(np.mean(self.times[t])))
+            torch.set_num_threads(self.best)
+
+    def after_step(self, step: int, seconds: float) -> None:
+        phase = step % self.period
+        # the first step after a switch is not timed
+        if len(self.options) > 1 and phase < self.probe * len(self.options) \
+                and phase % self.probe != 0:
+            self.times.setdefault(torch.get_num_threads(), []).append(seconds)
+
+
 LossFn = Callable[[int], tuple[torch.Tensor, dict[str, float], int]]
 
 
@@ -567,6 +606,7 @@ def train_loop(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
                unit="s", mininterval=10, ncols=110)
     t_start = time.time() - state["elapsed"]
     last_ckpt = time.time()
+    tuner = ThreadTuner(cfg.max_threads, cfg.tune_threads)
     stop_reason = "steps"
     while True:
         step = state["step"]
@@ -580,11 +620,14 @@ def train_loop(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
         lr = lr_at(step, stage_progress(step, elapsed, sc), sc)
         for group in opt.param_groups:
             group["lr"] = lr
+        tuner.before_step(step)
+        t_step = time.time()
         loss, scalars, n_tok = loss_fn(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
         opt.step()
+        tuner.after_step(step, time.time() - t_step)
         state["step"] = step + 1
         state["tokens"] += n_tok
         value = loss.item()
@@ -597,6 +640,7 @@ def train_loop(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
             elapsed = time.time() - t_start
             entry = {"step": state["step"], "loss_ema": round(state["loss_ema"], 4),
                      "lr": lr, "grad_norm": round(grad_norm, 3), "elapsed": round(elapsed, 1),
+                     "threads": torch.get_num_threads(),
                      **{k: round(v, 4) for k, v in scalars.items()}}
             state["history"].append(entry)
             log(f"{sc.name} " + " ".join(f"{k}={v}" for k, v in entry.items())
@@ -1068,11 +1112,14 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     ap.add_argument("--draft-steps", type=int, default=None)
     ap.add_argument("--parallel-steps", type=int, default=None)
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="max torch intra-op threads")
+    ap.add_argument("--no-thread-tuning", action="store_true",
+                    help="always use --threads instead of re-picking 1..threads from step times")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     return RunConfig(
         out=a.out, seed=a.seed, stage=a.stage, resume=a.resume, ckpt_minutes=a.ckpt_minutes,
+        max_threads=a.threads, tune_threads=not a.no_thread_tuning,
         heldout_fraction=0.05, eval_sequences=64, agreement_prompts=20,
         verifier=StageConfig("verifier", a.verifier_minutes, a.verifier_steps, batch_size=4,
                              lr=2e-3, warmup_steps=60, extra={"early_exit_weight": 0.3}),
