@@ -168,7 +168,7 @@ def correct(
     drafted: the row stops there and takes the verifier's token (adaptive K, causal audit).
     K = 0 is plain decoding: the next token comes from position 0.
     """
-    B, K = draft_tokens.shape
+    K = draft_tokens.shape[1]
     positions = torch.arange(K, device=draft_tokens.device)
     accept = acceptance_mask(
         target_logits[:, :K], draft_tokens, draft_probs, params, randoms.accept_uniforms

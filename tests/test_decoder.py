@@ -5,10 +5,9 @@ import json
 import subprocess
 import sys
 
+import paradraft.runtime.model as model_module
 import pytest
 import torch
-
-import paradraft.runtime.model as model_module
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.model import load_model
 from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
@@ -31,7 +30,7 @@ def test_stream_concatenates_to_generate_and_seed_reproduces(verifier, draft):
     dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=4, max_batch_size=4)
     chunks = list(dec.stream(PROMPTS, 20, seed=7))
     assert len(chunks) > 2  # several rounds, each yielding what each row gained
-    streamed = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
+    streamed = [[t for c in chunks for t in c[b]] for b in range(len(PROMPTS))]
     again = dec.generate(PROMPTS, 20, seed=7).token_ids
     assert streamed == again
     assert dec.generate(PROMPTS, 20, seed=8).token_ids != again

@@ -1,8 +1,8 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
-
 from paradraft.runtime.model import load_model, new_kv_cache
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
@@ -65,12 +65,12 @@ def test_rollback_is_a_length(hf_models):
 
 
 def test_clear_errors_for_bad_checkpoints(tmp_path, hf_models):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 5}))
     with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
         load_model(tmp_path)
     _, path = hf_models["llama"]
-    (tmp_path / "config.json").write_text(open(f"{path}/config.json").read())
+    (tmp_path / "config.json").write_text((Path(path) / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path)
