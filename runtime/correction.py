@@ -115,10 +115,6 @@ def sample(probs: Tensor, noise: Tensor) -> Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def entropy(log_probs: Tensor) -> Tensor:
-    return -(log_probs.exp() * log_probs).nan_to_num().sum(-1)
-
-
 def acceptance_mask(
     logits: Tensor,
     draft_tokens: Tensor,
@@ -135,22 +131,27 @@ def acceptance_mask(
         q_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, d)[..., 0]
         # accept with probability min(1, p/q), written without a division
         return accept_uniforms * q_draft < p_draft
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    logp_draft = log_probs.gather(-1, d)[..., 0]
-    if params.rule == "threshold":
-        return logp_draft.exp() > params.tau
+    # the heuristic rules work in logit space: log p(d) = x_d − logsumexp(x), and the
+    # ratio p(d) / p(alt) = exp(x_d − x_alt), so no [B, K, V] softmax is materialised for them
+    x = logits.float()
+    x_draft = x.gather(-1, d)[..., 0]
     if params.rule == "ratio":
-        top2, top2_ids = log_probs.topk(2, dim=-1)
+        top2, top2_ids = x.topk(2, dim=-1)
         best_alt = torch.where(top2_ids[..., 0] == draft_tokens, top2[..., 1], top2[..., 0])
-        return logp_draft - best_alt >= math.log(params.gamma)
-    h = entropy(log_probs)
+        return x_draft - best_alt >= math.log(params.gamma)
+    lse = x.logsumexp(-1)
+    p_draft = (x_draft - lse).exp()
+    if params.rule == "threshold":
+        return p_draft > params.tau
+    probs = (x - lse[..., None]).exp()
+    h = lse - (probs * x).sum(-1)  # entropy: −Σ p log p = lse − Σ p x
     if params.rule == "dynamic":
-        accept = logp_draft.exp() > params.tau * (1.0 + params.alpha * h)
+        accept = p_draft > params.tau * (1.0 + params.alpha * h)
         if params.top_p_membership:
-            accept &= top_p_mask(log_probs.exp(), params.top_p).gather(-1, d)[..., 0]
+            accept &= top_p_mask(probs, params.top_p).gather(-1, d)[..., 0]
         return accept
     # typical (Medusa): p > min(ε, δ · exp(−H))
-    return logp_draft.exp() > torch.clamp(params.delta * torch.exp(-h), max=params.epsilon)
+    return p_draft > torch.clamp(params.delta * torch.exp(-h), max=params.epsilon)
 
 
 def correct(

@@ -555,8 +555,8 @@ class ThreadTuner:
     candidate runs ``probe`` real training steps; the fastest is kept until the next probe.
     """
 
-    def __init__(self, max_threads: int, enabled: bool, period: int = 100,
-                 probe: int = 4) -> None:
+    def __init__(self, max_threads: int, enabled: bool, period: int = 80,
+                 probe: int = 3) -> None:
         self.options = list(range(1, max_threads + 1)) if enabled else [max_threads]
         self.period, self.probe = period, probe
         self.best = max_threads
@@ -1121,7 +1121,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         out=a.out, seed=a.seed, stage=a.stage, resume=a.resume, ckpt_minutes=a.ckpt_minutes,
         max_threads=a.threads, tune_threads=not a.no_thread_tuning,
         heldout_fraction=0.05, eval_sequences=64, agreement_prompts=20,
-        verifier=StageConfig("verifier", a.verifier_minutes, a.verifier_steps, batch_size=4,
+        verifier=StageConfig("verifier", a.verifier_minutes, a.verifier_steps, batch_size=2,
                              lr=2e-3, warmup_steps=60, extra={"early_exit_weight": 0.3}),
         draft=StageConfig("draft", a.draft_minutes, a.draft_steps, batch_size=4, lr=3e-3,
                           warmup_steps=40, extra={"ce_weight": 0.1}),
