@@ -195,7 +195,8 @@ class SpeculativeDecoder:
     # -- one round's pieces -------------------------------------------------------------
 
     def _draft(
-        self, tokens: Tensor, lengths: Tensor, k: int, bound: int, gen: torch.Generator
+        self, tokens: Tensor, lengths: Tensor, k: int, bound: int, gen: torch.Generator,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         d = self.drafter
         B = lengths.shape[0]
@@ -207,7 +208,8 @@ class SpeculativeDecoder:
             real = tokens.gather(1, pos)
             inputs = torch.where(offsets <= 0, real, d.mask_token_id)
             out_idx = (self.k + torch.arange(k, device=lengths.device)).expand(B, -1)
-            logits, _ = d.model(inputs, pos, self.draft_cache, kv_len=bound, output_index=out_idx)
+            logits, _ = d.model(inputs, pos, self.draft_cache, kv_len=bound, rows=rows,
+                                output_index=out_idx)
             return self._choose_drafts(logits, gen)
         # autoregressive drafters: the separate model re-feeds the token before the newest
         # (missing from its cache after a fully accepted block); the self-draft's layers were
@@ -218,7 +220,7 @@ class SpeculativeDecoder:
         last = torch.full((B, 1), window - 1, device=lengths.device)
         drafts, probs = [], []
         for i in range(k):
-            logits, _ = d.model(inputs, pos, cache, kv_len=bound, output_index=last,
+            logits, _ = d.model(inputs, pos, cache, kv_len=bound, rows=rows, output_index=last,
                                 num_layers=d.num_layers)
             token, q = self._choose_drafts(logits, gen)
             drafts.append(token)
@@ -234,7 +236,190 @@ class SpeculativeDecoder:
         noise = torch.empty_like(q).exponential_(generator=gen)
         return sample(q, noise), q
 
-    # -- the loop -----------------------------------------------------------------------
+    # -- per-slot state: rows of a batch are cache slots, so requests can join and leave ----
+
+    def reset(self) -> None:
+        """(Re)allocate the per-slot state; the caches keep their memory."""
+        S, dev = self.max_batch_size, self.device
+        width = max(self.k, 1)
+        self.tokens = torch.zeros(S, self.max_seq_len + self.margin, dtype=torch.long,
+                                  device=dev)
+        self.lengths = torch.zeros(S, dtype=torch.long, device=dev)
+        self.generated = torch.zeros(S, dtype=torch.long, device=dev)
+        self.limit = torch.zeros(S, dtype=torch.long, device=dev)
+        self.eos = torch.full((S,), -1, dtype=torch.long, device=dev)
+        self.k_rows = torch.full((S,), width, dtype=torch.long, device=dev)
+        # verify steps, drafted, accepted, rollbacks, steps with drafts, causal leaks
+        self.counters = torch.zeros(6, S, dtype=torch.long, device=dev)
+        self.per_pos = torch.zeros(2, S, width, dtype=torch.long, device=dev)
+        self.times = torch.zeros(4, S, dtype=torch.float64)  # draft, verify, correct, total
+        # host mirrors of lengths and K, refreshed by each round's single transfer
+        self.host_lengths = [0] * S
+        self.host_k = [width] * S
+
+    def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        vocab = self.verifier.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt length + max_new_tokens must be <= max_seq_len={self.max_seq_len}; "
+                f"got {len(prompt)} + {max_new_tokens}"
+            )
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab - 1}]")
+
+    def prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        eos_token_ids: list[int | None],
+        gen: torch.Generator,
+    ) -> tuple[list[list[int]], list[bool]]:
+        """Start requests in free slots: run the verifier (and a separate draft) over the
+        right-padded prompts and take the first token from the same correction code (K=0).
+        Returns, per slot, the tokens it gained and whether it is still running."""
+        for p, m in zip(prompts, max_new_tokens, strict=True):
+            self.check_request(p, m)
+        t0 = time.perf_counter()
+        dev, B = self.device, len(slots)
+        rows = torch.tensor(slots, device=dev)
+        prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)
+        t_prompt = max(len(p) for p in prompts)
+        padded = torch.zeros(B, t_prompt, dtype=torch.long)
+        for b, p in enumerate(prompts):  # host → device once per request
+            padded[b, : len(p)] = torch.tensor(p)
+        padded = padded.to(dev)
+        self.tokens[rows, :t_prompt] = padded
+        self.lengths[rows] = prompt_lens
+        self.generated[rows] = 0
+        self.limit[rows] = torch.tensor(max_new_tokens, device=dev)
+        self.eos[rows] = torch.tensor([-1 if e is None else e for e in eos_token_ids],
+                                      device=dev)
+        self.k_rows[rows] = max(self.k, 1)
+        self.counters[:, rows] = 0
+        self.per_pos[:, rows] = 0
+        self.times[:, slots] = 0.0
+        pos = torch.arange(t_prompt, device=dev).expand(B, -1)
+        last = (prompt_lens - 1)[:, None]
+        logits, _ = self.verifier(padded, pos, self.cache, kv_len=t_prompt, rows=rows,
+                                  output_index=last)
+        if self.draft_cache is not None:
+            self.drafter.model(padded, pos, self.draft_cache, kv_len=t_prompt, rows=rows,
+                               output_index=last)
+        empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        vocab = self.verifier.config.vocab_size
+        _, first = correct(logits, empty, None, self.params, draw_randoms(B, 0, vocab, gen, dev))
+        self.tokens[rows, prompt_lens] = first
+        out = self._emit(rows, first[:, None], torch.zeros_like(first))
+        self.times[3, slots] += time.perf_counter() - t0
+        return out
+
+    def _emit(self, rows: Tensor, emitted: Tensor, num_accepted: Tensor
+              ) -> tuple[list[list[int]], list[bool]]:
+        """Stop handling, vectorised (keep tokens up to EOS and within max_new_tokens), then
+        the round's single host transfer."""
+        width = emitted.shape[1]
+        valid = torch.arange(width, device=emitted.device) <= num_accepted[:, None]
+        is_eos = valid & (emitted == self.eos[rows, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), width)
+        keep = torch.minimum(num_accepted + 1, first_eos + 1)
+        generated = self.generated[rows]
+        limit = self.limit[rows]
+        keep = torch.minimum(keep, limit - generated)
+        generated = generated + keep
+        self.generated[rows] = generated
+        active = (first_eos == width) & (generated < limit)
+        host = torch.cat([keep[:, None], active[:, None], self.lengths[rows, None],
+                          self.k_rows[rows, None], emitted], 1).tolist()
+        for slot, row in zip(rows.tolist(), host, strict=True):
+            self.host_lengths[slot], self.host_k[slot] = row[2], row[3]
+        return [row[4: 4 + row[0]] for row in host], [bool(row[1]) for row in host]
+
+    def step(self, slots: list[int], gen: torch.Generator) -> tuple[list[list[int]], list[bool]]:
+        """One round for the running ``slots``: draft → verify → correct → roll back.
+        Returns, per slot, the tokens it gained and whether it is still running."""
+        t_start = time.perf_counter()
+        dev = self.device
+        all_rows = len(slots) == self.max_batch_size and slots == list(range(len(slots)))
+        rows = torch.tensor(slots, device=dev)
+        cache_rows = None if all_rows else rows  # plain slices when every slot runs
+        lengths = self.lengths[rows]
+        k_max = self.k
+        if self.adaptive_k:  # the round drafts max K of its rows; each row stops at its own
+            k_rows = self.k_rows[rows]
+            k = max(self.host_k[s] for s in slots)
+        else:
+            k_rows, k = None, k_max
+        # attend over the live part of the cache only (host-side bound: no sync needed)
+        bound = max(self.host_lengths[s] for s in slots) + 2 * k_max + 2
+        tokens = self.tokens[rows]
+        t0 = time.perf_counter()
+        if k_max:
+            draft_tokens, draft_probs = self._draft(tokens, lengths, k, bound, gen, cache_rows)
+        else:
+            draft_tokens = torch.zeros(len(slots), 0, dtype=torch.long, device=dev)
+            draft_probs = None
+        t1 = time.perf_counter()
+        width = draft_tokens.shape[1]
+        verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
+        pos = lengths[:, None] + torch.arange(width + 1, device=dev)
+        audit = self.audit_epsilon is not None
+        logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound, rows=cache_rows,
+                                     audit=audit)
+        t2 = time.perf_counter()
+        num_drafted = k_rows.clamp(max=width) if k_rows is not None else None
+        leaked_rows = torch.zeros_like(lengths, dtype=torch.bool)
+        if audit:
+            # a position that looked at a later one has untrustworthy logits: stop there
+            leaked = leak > self.audit_epsilon
+            leaked_rows = leaked.any(1)
+            first_leak = torch.where(leaked_rows, leaked.int().argmax(1), width)
+            limit = num_drafted if num_drafted is not None else torch.full_like(lengths, width)
+            num_drafted = torch.minimum(first_leak, limit)
+        randoms = draw_randoms(len(slots), width, self.verifier.config.vocab_size, gen, dev)
+        num_accepted, next_token = correct(
+            logits, draft_tokens, draft_probs, self.params, randoms, num_drafted
+        )
+        # emitted block: accepted drafts, then the rule's token at index num_accepted
+        emitted = torch.cat([draft_tokens, next_token[:, None]], 1)
+        emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
+        write_pos = lengths[:, None] + 1 + torch.arange(width + 1, device=dev)
+        self.tokens[rows[:, None], write_pos] = emitted
+        self.lengths[rows] = lengths + num_accepted + 1  # the rollback: a length
+        drafted = num_drafted if num_drafted is not None else torch.full_like(lengths, width)
+        if self.adaptive_k:  # +2 after a fully accepted block, −1 otherwise, within [1, K]
+            grow = num_accepted == k_rows
+            self.k_rows[rows] = torch.where(grow, k_rows + 2, k_rows - 1).clamp(1, k_max)
+        # metrics, on device
+        self.counters[:, rows] += torch.stack([
+            torch.ones_like(lengths), drafted, num_accepted, (num_accepted < drafted).long(),
+            (drafted > 0).long(), leaked_rows.long()])
+        if width:
+            p = torch.arange(width, device=dev)
+            self.per_pos[0, rows, :width] += (p < num_accepted[:, None]).long()
+            self.per_pos[1, rows, :width] += (p < drafted[:, None]).long()
+        out = self._emit(rows, emitted, num_accepted)
+        t3 = time.perf_counter()
+        self.times[:, slots] += torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t_start],
+                                             dtype=torch.float64)[:, None]
+        return out
+
+    def slot_stats(self, slot: int) -> SpecStats:
+        c = self.counters[:, slot].tolist()
+        pp = self.per_pos[:, slot].tolist()
+        t = self.times[:, slot].tolist()
+        return SpecStats(
+            verify_steps=c[0], draft_tokens=c[1], accepted_tokens=c[2], rollbacks=c[3],
+            num_drafts=c[4], causal_leaks=c[5], generated_tokens=int(self.generated[slot]),
+            accepted_per_position=pp[0][: self.k], drafted_per_position=pp[1][: self.k],
+            draft_time=t[0], verify_time=t[1], correct_time=t[2], total_time=t[3],
+        )
+
+    # -- a fixed batch, start to finish ------------------------------------------------
 
     def stream(
         self,
@@ -253,145 +438,28 @@ class SpeculativeDecoder:
             raise ValueError(f"batch size must be in [1, {self.max_batch_size}]; got {B}")
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * B
-        vocab = self.verifier.config.vocab_size
         for p, m in zip(prompts, max_new_tokens, strict=True):
-            if not p:
-                raise ValueError("prompt must contain at least one token")
-            if not isinstance(m, int) or m < 1:
-                raise ValueError(f"max_new_tokens must be an integer >= 1; got {m!r}")
-            if len(p) + m > self.max_seq_len:
-                raise ValueError(
-                    f"prompt length + max_new_tokens must be <= max_seq_len={self.max_seq_len}; "
-                    f"got {len(p)} + {m}"
-                )
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt token ids must be in [0, {vocab - 1}]")
-        dev = self.device
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        k_max = self.k
-        eos = -1 if eos_token_id is None else eos_token_id
-        t_start = time.perf_counter()
-
-        prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)
-        t_prompt = int(prompt_lens.max())
-        tokens = torch.zeros(B, self.max_seq_len + self.margin, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):  # host → device once, before the loop
-            tokens[b, : len(p)] = torch.tensor(p)
-        limit = torch.tensor(max_new_tokens, device=dev)
-        generated = torch.zeros(B, dtype=torch.long, device=dev)
-        active = torch.ones(B, dtype=torch.bool, device=dev)
-        k_rows = torch.full((B,), max(k_max, 1), device=dev)
-        counters = torch.zeros(6, B, dtype=torch.long, device=dev)  # see _finish
-        per_pos = torch.zeros(2, B, max(k_max, 1), dtype=torch.long, device=dev)
-        times = [0.0, 0.0, 0.0]
-
-        # prefill: verifier (and a separate draft) over the prompts, right-padded; the first
-        # token comes from the same correction code with K = 0
-        pos = torch.arange(t_prompt, device=dev).expand(B, -1)
-        last = (prompt_lens - 1)[:, None]
-        logits, _ = self.verifier(tokens[:, :t_prompt], pos, self.cache, kv_len=t_prompt,
-                                  output_index=last)
-        if self.draft_cache is not None:
-            self.drafter.model(tokens[:, :t_prompt], pos, self.draft_cache, kv_len=t_prompt,
-                               output_index=last)
-        empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
-        _, first = correct(logits, empty, None, self.params, draw_randoms(B, 0, vocab, gen, dev))
-        lengths = prompt_lens.clone()
-        tokens.scatter_(1, lengths[:, None], first[:, None])
-        emitted = first[:, None]
-        num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-        k_host = k_max
-
+            self.check_request(p, m)
+        self.reset()
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        slots = list(range(B))
+        t0 = time.perf_counter()
+        new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B, gen)
         while True:
-            # stop handling, vectorised: keep tokens up to EOS and within max_new_tokens
-            width = emitted.shape[1]
-            valid = torch.arange(width, device=dev) <= num_accepted[:, None]
-            is_eos = valid & (emitted == eos)
-            first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), width)
-            keep = torch.minimum(num_accepted + 1, first_eos + 1)
-            keep = torch.minimum(keep, limit - generated) * active
-            generated += keep
-            active &= (first_eos == width) & (generated < limit)
-            if self.adaptive_k:
-                grow = (num_accepted == k_rows)
-                k_rows = torch.where(grow, k_rows + 2, k_rows - 1).clamp(1, max(k_max, 1))
-            # the round's single host transfer
-            host = torch.cat([keep[:, None], active[:, None], k_rows[:, None], lengths[:, None],
-                              emitted], 1).tolist()
-            yield [row[4: 4 + row[0]] for row in host]
-            live = [row for row in host if row[1]]
-            if not live:
+            out = [[] for _ in range(B)]
+            for slot, tokens in zip(slots, new, strict=True):
+                out[slot] = tokens
+            yield out
+            slots = [s for s, r in zip(slots, running, strict=True) if r]
+            if not slots:
                 break
-            bound = max(row[3] for row in live) + 2 * k_max + 2
-            if k_max:
-                k_host = max(row[2] for row in live) if self.adaptive_k else k_max
-
-            t0 = time.perf_counter()
-            if k_max:
-                draft_tokens, draft_probs = self._draft(tokens, lengths, k_host, bound, gen)
-            else:
-                draft_tokens, draft_probs = empty, None
-            t1 = time.perf_counter()
-            verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
-            pos = lengths[:, None] + torch.arange(k_host + 1 if k_max else 1, device=dev)
-            audit = self.audit_epsilon is not None
-            logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound, audit=audit)
-            t2 = time.perf_counter()
-            width = draft_tokens.shape[1]
-            num_drafted = k_rows.clamp(max=width) if self.adaptive_k else None
-            if audit:
-                # a position that looked at a later one has untrustworthy logits: stop there
-                leaked = leak > self.audit_epsilon
-                first_leak = torch.where(leaked.any(1), leaked.int().argmax(1), width)
-                cut = torch.minimum(first_leak, num_drafted if num_drafted is not None else
-                                    torch.full_like(first_leak, width))
-                counters[5] += (first_leak < width + 1) & leaked.any(1) & active
-                num_drafted = cut
-            randoms = draw_randoms(B, width, vocab, gen, dev)
-            num_accepted, next_token = correct(
-                logits, draft_tokens, draft_probs, self.params, randoms, num_drafted
-            )
-            # emitted block: accepted drafts, then the rule's token at index num_accepted
-            emitted = torch.cat([draft_tokens, next_token[:, None]], 1)
-            emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
-            write_pos = lengths[:, None] + 1 + torch.arange(width + 1, device=dev)
-            tokens.scatter_(1, write_pos, emitted)
-            drafted = num_drafted if num_drafted is not None else torch.full_like(lengths, width)
-            lengths = torch.where(active, lengths + num_accepted + 1, lengths)
-            # metrics, on device
-            act = active.long()
-            counters[0] += act
-            counters[1] += drafted * act
-            counters[2] += num_accepted * act
-            counters[3] += (num_accepted < drafted).long() * act
-            counters[4] += (drafted > 0).long() * act
-            if width:
-                p = torch.arange(width, device=dev)
-                per_pos[0, :, :width] += (p < num_accepted[:, None]).long() * act[:, None]
-                per_pos[1, :, :width] += (p < drafted[:, None]).long() * act[:, None]
-            t3 = time.perf_counter()
-            times[0] += t1 - t0
-            times[1] += t2 - t1
-            times[2] += t3 - t2
-
+            new, running = self.step(slots, gen)
         if stats is not None:
-            stats.extend(self._finish(counters, per_pos, generated, times, t_start))
-
-    def _finish(self, counters, per_pos, generated, times, t_start) -> list[SpecStats]:
-        total = time.perf_counter() - t_start
-        c, pp, g = counters.tolist(), per_pos.tolist(), generated.tolist()
-        k = self.k
-        return [
-            SpecStats(
-                verify_steps=c[0][b], draft_tokens=c[1][b], accepted_tokens=c[2][b],
-                rollbacks=c[3][b], num_drafts=c[4][b], causal_leaks=c[5][b],
-                generated_tokens=g[b],
-                accepted_per_position=pp[0][b][:k], drafted_per_position=pp[1][b][:k],
-                draft_time=times[0], verify_time=times[1], correct_time=times[2],
-                total_time=total,
-            )
-            for b in range(len(g))
-        ]
+            total = time.perf_counter() - t0
+            for b in range(B):
+                s = self.slot_stats(b)
+                s.total_time = total  # the batch's wall clock, for tokens/s
+                stats.append(s)
 
     def generate(
         self,

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from paradraft.runtime.correction import (
     RULES,
     Randoms,

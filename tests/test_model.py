@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from paradraft.runtime.model import load_model, new_kv_cache
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
