@@ -14,6 +14,7 @@ host transfer (the tokens each row gained, for streaming, plus the stop flags).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,38 @@ from .correction import (
 from .model import KVCache, Transformer, new_kv_cache
 
 DRAFTERS = ("model", "parallel", "self")
+log = logging.getLogger("paradraft")
+
+
+@dataclass
+class AcceptanceMonitor:
+    """The seed's §6.1 alert: warn when the running acceptance rate falls below ``floor``.
+
+    The rate is taken over roughly the last ``window`` drafted tokens (exponential decay);
+    it warns once per crossing and again only after it has recovered."""
+
+    floor: float = 0.6
+    window: int = 512
+    min_drafted: int = 64
+    drafted: float = 0.0
+    accepted: float = 0.0
+    alerting: bool = False
+    alerts: int = 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        decay = max(0.0, 1.0 - drafted / self.window)
+        self.drafted = self.drafted * decay + drafted
+        self.accepted = self.accepted * decay + accepted
+        rate = self.accepted / self.drafted
+        if self.drafted >= self.min_drafted and rate < self.floor and not self.alerting:
+            self.alerting = True
+            self.alerts += 1
+            log.warning("running acceptance rate %.2f fell below the floor %.2f", rate,
+                        self.floor)
+        elif rate >= self.floor:
+            self.alerting = False
 
 
 @dataclass
@@ -154,6 +187,7 @@ class SpeculativeDecoder:
         max_batch_size: int = 8,
         max_seq_len: int = 512,
         draft_sampling: bool | None = None,
+        acceptance_floor: float = 0.6,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -172,6 +206,9 @@ class SpeculativeDecoder:
             raise ValueError(f"audit_epsilon must be in [0, 1); got {audit_epsilon}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
+        if not 0.0 <= acceptance_floor <= 1.0:
+            raise ValueError(f"acceptance_floor must be in [0, 1]; got {acceptance_floor}")
+        self.monitor = AcceptanceMonitor(floor=acceptance_floor)
         self.adaptive_k = adaptive_k
         self.audit_epsilon = audit_epsilon
         # sampled drafts (with their q) only pay off for the lossless sampling rule
@@ -318,8 +355,8 @@ class SpeculativeDecoder:
         self.times[3, slots] += time.perf_counter() - t0
         return out
 
-    def _emit(self, rows: Tensor, emitted: Tensor, num_accepted: Tensor
-              ) -> tuple[list[list[int]], list[bool]]:
+    def _emit(self, rows: Tensor, emitted: Tensor, num_accepted: Tensor,
+              drafted: Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
         """Stop handling, vectorised (keep tokens up to EOS and within max_new_tokens), then
         the round's single host transfer."""
         width = emitted.shape[1]
@@ -333,11 +370,14 @@ class SpeculativeDecoder:
         generated = generated + keep
         self.generated[rows] = generated
         active = (first_eos == width) & (generated < limit)
+        drafted = torch.zeros_like(keep) if drafted is None else drafted
         host = torch.cat([keep[:, None], active[:, None], self.lengths[rows, None],
-                          self.k_rows[rows, None], emitted], 1).tolist()
+                          self.k_rows[rows, None], drafted[:, None], num_accepted[:, None],
+                          emitted], 1).tolist()
         for slot, row in zip(rows.tolist(), host, strict=True):
             self.host_lengths[slot], self.host_k[slot] = row[2], row[3]
-        return [row[4: 4 + row[0]] for row in host], [bool(row[1]) for row in host]
+        self.monitor.update(sum(row[4] for row in host), sum(row[5] for row in host))
+        return [row[6: 6 + row[0]] for row in host], [bool(row[1]) for row in host]
 
     def step(self, slots: list[int], gen: torch.Generator) -> tuple[list[list[int]], list[bool]]:
         """One round for the running ``slots``: draft → verify → correct → roll back.
@@ -402,7 +442,7 @@ class SpeculativeDecoder:
             p = torch.arange(width, device=dev)
             self.per_pos[0, rows, :width] += (p < num_accepted[:, None]).long()
             self.per_pos[1, rows, :width] += (p < drafted[:, None]).long()
-        out = self._emit(rows, emitted, num_accepted)
+        out = self._emit(rows, emitted, num_accepted, drafted)
         t3 = time.perf_counter()
         self.times[:, slots] += torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t_start],
                                              dtype=torch.float64)[:, None]

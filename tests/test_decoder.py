@@ -146,3 +146,18 @@ def test_cli_bad_parameter_is_a_clear_error(pair):
                 "--top-p", "0", "--rule", "exact")
     assert r.returncode == 2
     assert "top_p must be in (0, 1]" in r.stderr
+
+
+def test_acceptance_alert_fires_below_the_floor(verifier, pair, caplog):
+    bad = load_model(pair[2])  # parallel draft used autoregressively: rarely agrees past 1
+    dec = SpeculativeDecoder(verifier, Drafter("parallel", bad), RuleParams("greedy"), k=8,
+                             max_batch_size=3, acceptance_floor=0.95)
+    with caplog.at_level("WARNING", logger="paradraft"):
+        result = dec.generate(PROMPTS, 40)
+    assert result.stats.acceptance_rate < 0.95
+    assert dec.monitor.alerts >= 1
+    assert "fell below the floor 0.95" in caplog.text
+    quiet = SpeculativeDecoder(verifier, Drafter("parallel", bad), RuleParams("greedy"), k=8,
+                               max_batch_size=3, acceptance_floor=0.0)
+    quiet.generate(PROMPTS, 40)
+    assert quiet.monitor.alerts == 0
