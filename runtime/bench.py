@@ -1,0 +1,229 @@
+"""``paradraft bench``: speed-up and acceptance side by side with the peers, in one run.
+
+Every variant decodes the same held-out prompts with the same models: our autoregressive
+baseline, speculative decoding per drafter / rule / K, ``transformers`` greedy ``generate()``
+and ``transformers`` assisted generation (``assistant_model=``, the same K). Speed-ups are
+ratios within this run (the machines are noisy; compare ratios, not absolute tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .correction import RuleParams
+from .model import Transformer
+from .speculative import Drafter, SpeculativeDecoder, aggregate
+
+
+@dataclass
+class BenchRow:
+    system: str  # "ours" | "hf"
+    variant: str  # baseline | model | parallel | self | generate | assisted
+    rule: str
+    k: int
+    batch_size: int
+    sampling: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance_rate: float | None = None
+    alpha: float | None = None  # P(accept | position reached) = accepted / (accepted + rejections)
+    mean_acceptance_length: float | None = None
+    analytic_acceptance_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    time_share: dict = field(default_factory=dict)
+    speedup_vs_baseline: float | None = None
+    speedup_vs_hf_assisted: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = self.__dict__.copy()
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+
+def analytic_length(alpha: float, k: int) -> float:
+    """Expected tokens per verify step for per-token acceptance α (Leviathan et al.)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
+             prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
+             row: BenchRow) -> BenchRow:
+    dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
+                             max_seq_len=max(map(len, prompts)) + max_new_tokens,
+                             acceptance_floor=0.0)
+    dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up
+    stats = []
+    for i in range(0, len(prompts), batch_size):
+        stats.append(dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed).stats)
+    total = aggregate(stats)
+    total.draft_time = sum(s.draft_time for s in stats)
+    total.verify_time = sum(s.verify_time for s in stats)
+    total.correct_time = sum(s.correct_time for s in stats)
+    row.tokens = total.generated_tokens
+    row.seconds = sum(s.total_time for s in stats)
+    row.time_share = total.to_dict()["time_share"]
+    if drafter is not None:
+        row.acceptance_rate = total.acceptance_rate
+        row.mean_acceptance_length = total.mean_acceptance_length
+        # Leviathan's α is per reached position: each step ends in one rejection or K accepts
+        reached = total.accepted_tokens + total.rollbacks
+        row.alpha = total.accepted_tokens / reached if reached else 1.0
+        row.analytic_acceptance_length = analytic_length(row.alpha, k)
+        row.per_position_acceptance = total.per_position_acceptance
+    return row
+
+
+@torch.no_grad()
+def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
+           batch_size: int, k: int, row: BenchRow) -> BenchRow:
+    """transformers generate (greedy) or assisted generation (batch 1 only in transformers)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                  do_sample=False, pad_token_id=0)
+    if hf_draft is not None:
+        kwargs.update(assistant_model=hf_draft, num_assistant_tokens=k,
+                      num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+    hf_verifier.generate(torch.tensor(prompts[:batch_size]), **{**kwargs, "max_new_tokens": 4,
+                                                                 "min_new_tokens": 4})
+    for i in range(0, len(prompts), batch_size):
+        ids = torch.tensor(prompts[i: i + batch_size])  # equal-length prompts: no padding
+        t0 = time.perf_counter()
+        out = hf_verifier.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        row.seconds += time.perf_counter() - t0
+        row.tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return row
+
+
+def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool
+         ) -> list[BenchRow]:
+    """The variants: a full K sweep at batch 1 (greedy), K=4 elsewhere and for sampling."""
+    rows: list[BenchRow] = []
+    k_default = 4 if 4 in ks else ks[len(ks) // 2]
+    for bs in batch_sizes:
+        for sampling in (False, True):
+            if sampling and bs != batch_sizes[0]:
+                continue
+            rule = "exact" if sampling else "greedy"
+            rows.append(BenchRow("ours", "baseline", rule, 0, bs, sampling))
+            sweep = ks if (bs == batch_sizes[0] and not sampling) else [k_default]
+            rows += [BenchRow("ours", d, rule, k, bs, sampling) for d in drafters for k in sweep]
+            if with_hf and not sampling:
+                rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
+                if bs == 1 and "model" in drafters:
+                    rows += [BenchRow("hf", "assisted", "greedy", k, 1, False) for k in sweep]
+    return rows
+
+
+def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list[list[int]],
+              max_new_tokens: int, batch_sizes: list[int], ks: list[int],
+              hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
+              ) -> list[BenchRow]:
+    hf_verifier = hf_draft = None
+    if hf_dirs is not None:
+        from transformers import AutoModelForCausalLM
+
+        hf_verifier = AutoModelForCausalLM.from_pretrained(hf_dirs[0], dtype=torch.float32)
+        hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
+        hf_verifier.eval()
+        hf_draft.eval()
+    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None)
+    for row in tqdm(rows, desc="bench", unit="variant"):
+        n = max(len(prompts) // row.batch_size, 1) * row.batch_size
+        batch_prompts = (prompts * row.batch_size)[:n]
+        if row.system == "hf":
+            draft = hf_draft if row.variant == "assisted" else None
+            run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size, row.k, row)
+            continue
+        params = RuleParams(row.rule, temperature=temperature)
+        drafter = drafters.get(row.variant)
+        run_ours(verifier, drafter, params, row.k, batch_prompts, max_new_tokens,
+                 row.batch_size, seed, row)
+    # ratios within this run
+    for row in rows:
+        base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
+                    and r.batch_size == row.batch_size and r.sampling == row.sampling)
+        row.speedup_vs_baseline = row.tokens_per_second / base.tokens_per_second
+        peer = [r for r in rows if r.variant == "assisted" and r.k == row.k
+                and r.batch_size == row.batch_size]
+        if peer and not row.sampling:
+            row.speedup_vs_hf_assisted = row.tokens_per_second / peer[0].tokens_per_second
+    return rows
+
+
+def summary(rows: list[BenchRow]) -> dict:
+    """Best speculative config per batch size (greedy) and how it compares."""
+    out = {}
+    for bs in sorted({r.batch_size for r in rows}):
+        spec = [r for r in rows if r.system == "ours" and r.variant != "baseline"
+                and r.batch_size == bs and not r.sampling]
+        if not spec:
+            continue
+        best = max(spec, key=lambda r: r.tokens_per_second)
+        out[f"batch_{bs}"] = {
+            "best": f"{best.variant} K={best.k}",
+            "speedup_vs_baseline": best.speedup_vs_baseline,
+            "speedup_vs_hf_assisted_same_k": best.speedup_vs_hf_assisted,
+            "acceptance_rate": best.acceptance_rate,
+            "mean_acceptance_length": best.mean_acceptance_length,
+        }
+    return out
+
+
+def print_rows(rows: list[BenchRow]) -> None:
+    print(f"{'sys':4s} {'variant':9s} {'rule':6s} {'K':>2s} {'B':>3s} {'tok/s':>8s} "
+          f"{'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} {'analytic':>8s}")
+    for r in rows:
+        def fmt(v, spec):
+            return format(v, spec) if v is not None else "-"
+        print(f"{r.system:4s} {r.variant:9s} {r.rule:6s} {r.k:2d} {r.batch_size:3d} "
+              f"{r.tokens_per_second:8.1f} {fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
+              f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
+              f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
+              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s}")
+
+
+def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "summary": summary(rows), "rows": [r.to_dict() for r in rows]}
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bs0 = min(r.batch_size for r in rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):
+        pts = sorted((r.k, r.speedup_vs_baseline) for r in rows if r.variant == variant
+                     and r.batch_size == bs0 and not r.sampling and r.k)
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), marker="o",
+                     label=variant if variant != "assisted" else "HF assisted")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over our AR baseline",
+            title=f"speed-up vs K (batch {bs0}, greedy)")
+    ax1.legend()
+    for variant in sorted({r.variant for r in rows if r.per_position_acceptance}):
+        cands = [r for r in rows if r.variant == variant and r.batch_size == bs0
+                 and not r.sampling and r.per_position_acceptance]
+        r = max(cands, key=lambda r: r.k)
+        ax2.plot(range(1, r.k + 1), r.per_position_acceptance, marker="o",
+                 label=f"{variant} K={r.k}")
+    ax2.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.02),
+            title="per-position acceptance")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,163 @@
+"""Quality: perplexity and diversity per correction rule (``paradraft eval``), and the seed's
+tuning loop (``paradraft tune``): sweep a rule's parameters, print the speed/quality frontier
+and the best settings within the quality budget (the seed's bar: perplexity ≤ +10 % versus
+lossless ``exact`` sampling)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .correction import RuleParams
+from .model import Transformer, new_kv_cache
+from .speculative import Drafter, SpeculativeDecoder
+
+HELDOUT_FILE = "heldout.jsonl"
+
+
+def heldout_texts(demo_dir: str | Path) -> list[str]:
+    """Held-out code snippets shipped with the demo models (files never seen in training)."""
+    path = Path(demo_dir) / HELDOUT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {path} (held-out snippets of the demo split)")
+    return [json.loads(line)["text"] for line in path.read_text().splitlines() if line]
+
+
+def heldout_prompts(tokenizer, texts: list[str], n: int, prompt_tokens: int,
+                    seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference continuation ids) pairs, chosen reproducibly."""
+    rng = random.Random(seed)
+    pool = [tokenizer.encode(t).ids for t in texts]
+    pool = [ids for ids in pool if len(ids) > prompt_tokens + 8]
+    if not pool:
+        raise ValueError(f"no held-out snippet is longer than prompt_tokens={prompt_tokens}")
+    picks = [pool[i % len(pool)] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
+    while len(picks) < n:
+        picks.append(pool[rng.randrange(len(pool))])
+    return [(ids[:prompt_tokens], ids[prompt_tokens:]) for ids in picks]
+
+
+def perplexity_from_logprobs(logprobs: list[float]) -> float:
+    """exp of the mean negative log-likelihood per token."""
+    if not logprobs:
+        raise ValueError("perplexity needs at least one token")
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+@torch.no_grad()
+def continuation_logprobs(model: Transformer, prompt: list[int], continuation: list[int]
+                          ) -> list[float]:
+    """log p(continuation_t | prompt, continuation_<t) under ``model`` (teacher forcing)."""
+    ids = torch.tensor([prompt + continuation])
+    cache = new_kv_cache(model.config, 1, ids.shape[1], next(model.parameters()).dtype)
+    logits, _ = model(ids, torch.arange(ids.shape[1])[None], cache)
+    logp = torch.log_softmax(logits[0, len(prompt) - 1: -1], dim=-1)
+    return logp.gather(-1, torch.tensor(continuation)[:, None])[:, 0].tolist()
+
+
+def distinct_n(sequences: list[list[int]], n: int) -> float:
+    """Distinct n-grams / total n-grams over all sequences (diversity)."""
+    grams = [tuple(s[i: i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+@dataclass
+class QualityRow:
+    label: str
+    rule: str
+    params: dict
+    perplexity: float
+    distinct_1: float
+    distinct_2: float
+    distinct_3: float
+    acceptance_rate: float
+    mean_acceptance_length: float
+    tokens_per_second: float
+    speedup: float = 0.0
+    ppl_change_vs_exact: float = 0.0
+    within_budget: bool = True
+
+
+def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
+            prompts: list[list[int]], max_new_tokens: int, seeds: list[int], batch_size: int,
+            label: str) -> QualityRow:
+    """Generate for every prompt and seed; score the continuations under the verifier."""
+    dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
+                             max_seq_len=max(map(len, prompts)) + max_new_tokens,
+                             acceptance_floor=0.0)
+    outputs: list[list[int]] = []
+    logprobs: list[float] = []
+    drafted = accepted = steps = generated = 0
+    seconds = 0.0
+    for seed in seeds:
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i: i + batch_size]
+            result = dec.generate(batch, max_new_tokens, seed=seed)
+            s = result.stats
+            drafted += s.draft_tokens
+            accepted += s.accepted_tokens
+            steps += s.verify_steps
+            generated += s.generated_tokens
+            seconds += s.total_time
+            for p, out in zip(batch, result.token_ids, strict=True):
+                outputs.append(out)
+                logprobs += continuation_logprobs(verifier, p, out)
+    return QualityRow(
+        label=label, rule=params.rule, params=asdict(params),
+        perplexity=perplexity_from_logprobs(logprobs),
+        distinct_1=distinct_n(outputs, 1), distinct_2=distinct_n(outputs, 2),
+        distinct_3=distinct_n(outputs, 3),
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_acceptance_length=(accepted + steps) / max(steps, 1),
+        tokens_per_second=generated / seconds if seconds else 0.0,
+    )
+
+
+def compare(rows: list[QualityRow], baseline_tps: float, budget: float) -> None:
+    """Fill speed-up and the perplexity change against the (first) exact row."""
+    exact = next(r for r in rows if r.rule == "exact")
+    for r in rows:
+        r.speedup = r.tokens_per_second / baseline_tps if baseline_tps else 0.0
+        r.ppl_change_vs_exact = r.perplexity / exact.perplexity - 1.0
+        r.within_budget = r.ppl_change_vs_exact <= budget
+
+
+def print_table(rows: list[QualityRow], title: str) -> None:
+    print(title)
+    print(f"{'setting':44s} {'ppl':>8s} {'Δppl':>7s} {'d-2':>5s} {'accept':>6s} "
+          f"{'len':>5s} {'speed-up':>8s}  ok")
+    for r in rows:
+        print(f"{r.label:44s} {r.perplexity:8.2f} {r.ppl_change_vs_exact:+7.1%} "
+              f"{r.distinct_2:5.2f} {r.acceptance_rate:6.2f} {r.mean_acceptance_length:5.2f} "
+              f"{r.speedup:7.2f}x  {'yes' if r.within_budget else 'NO'}")
+
+
+def tune_grid(rule: str) -> list[dict]:
+    """The seed's §3.4 sweep (and the matching knobs of the other rules)."""
+    if rule == "dynamic":
+        grid = itertools.product([0.2, 0.3, 0.4], [0.05, 0.1, 0.15], [0.8, 1.0, 1.2],
+                                 [0.8, 0.95])
+        return [dict(tau=t, alpha=a, temperature=T, top_p=p) for t, a, T, p in grid]
+    if rule == "threshold":
+        return [dict(tau=t, temperature=T) for t in [0.1, 0.2, 0.3, 0.4, 0.5]
+                for T in [0.8, 1.0]]
+    if rule == "ratio":
+        return [dict(gamma=g, temperature=T) for g in [0.25, 0.5, 1.0, 1.5, 2.0]
+                for T in [0.8, 1.0]]
+    if rule == "typical":
+        return [dict(epsilon=e, delta=d, temperature=T) for e in [0.05, 0.09, 0.2]
+                for d in [0.2, 0.3, 0.5] for T in [0.8, 1.0]]
+    raise ValueError(f"tune supports dynamic, threshold, ratio, typical; got {rule!r}")
+
+
+def frontier(rows: list[QualityRow]) -> list[QualityRow]:
+    """Settings not beaten on both speed-up and perplexity by another one."""
+    return [r for r in rows if not any(
+        o.speedup >= r.speedup and o.perplexity <= r.perplexity
+        and (o.speedup > r.speedup or o.perplexity < r.perplexity) for o in rows)]
