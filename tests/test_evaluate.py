@@ -1,0 +1,110 @@
+"""Quality metrics on hand-made cases, and bench / eval / tune end to end on a tiny setting
+with the shipped demo models."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paradraft.runtime.bench import analytic_length
+from paradraft.runtime.evaluate import (
+    QualityRow,
+    continuation_logprobs,
+    distinct_n,
+    frontier,
+    perplexity_from_logprobs,
+)
+from paradraft.runtime.model import load_model
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+def test_perplexity_by_hand():
+    # probabilities 1/2, 1/4, 1/8: mean NLL = (1+2+3)/3 · ln 2 = 2 ln 2 -> perplexity 4
+    logprobs = [math.log(0.5), math.log(0.25), math.log(0.125)]
+    assert perplexity_from_logprobs(logprobs) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="at least one token"):
+        perplexity_from_logprobs([])
+
+
+def test_continuation_logprobs_match_a_manual_softmax(pair):
+    model = load_model(pair[0])
+    prompt, cont = [3, 5, 7], [11, 13]
+    got = continuation_logprobs(model, prompt, cont)
+    from paradraft.runtime.model import new_kv_cache
+
+    cache = new_kv_cache(model.config, 1, 8, torch.float32)
+    logits, _ = model(torch.tensor([prompt + cont]), torch.arange(5)[None], cache)
+    p = torch.softmax(logits[0], -1)
+    want = [math.log(p[2, 11]), math.log(p[3, 13])]
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_distinct_n_by_hand():
+    seqs = [[1, 2, 1, 2], [1, 2, 3]]
+    # unigrams: 7 total, {1,2,3} distinct; bigrams: (1,2),(2,1),(1,2),(1,2),(2,3) -> 3 / 5
+    assert distinct_n(seqs, 1) == pytest.approx(3 / 7)
+    assert distinct_n(seqs, 2) == pytest.approx(3 / 5)
+    assert distinct_n([[1]], 2) == 0.0
+
+
+def test_analytic_acceptance_length():
+    assert analytic_length(0.0, 4) == 1.0
+    assert analytic_length(1.0, 4) == 5.0
+    assert analytic_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_frontier_keeps_only_undominated_settings():
+    def row(label, speed, ppl):
+        return QualityRow(label, "dynamic", {}, ppl, 0, 0, 0, 0, 0, 0, speedup=speed)
+
+    rows = [row("a", 2.0, 10.0), row("b", 1.5, 9.0), row("c", 1.4, 9.5), row("d", 2.0, 11.0)]
+    assert [r.label for r in frontier(rows)] == ["a", "b"]
+
+
+needs_demo = pytest.mark.skipif(not (DEMO / "verifier" / "config.json").is_file(),
+                                reason="demo models not present")
+
+
+def cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "paradraft.runtime.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@needs_demo
+def test_bench_end_to_end_writes_well_formed_json(tmp_path):
+    r = cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "1,2",
+            "--batch-sizes", "1,2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    variants = {(row["system"], row["variant"]) for row in data["rows"]}
+    assert {("ours", "baseline"), ("ours", "model"), ("ours", "parallel"), ("ours", "self"),
+            ("hf", "generate"), ("hf", "assisted")} <= variants
+    for row in data["rows"]:
+        assert row["tokens"] > 0 and row["tokens_per_second"] > 0
+        assert row["speedup_vs_baseline"] > 0
+        if row["system"] == "ours" and row["variant"] != "baseline":
+            assert 0.0 <= row["acceptance_rate"] <= 1.0
+            assert 1.0 <= row["mean_acceptance_length"] <= row["k"] + 1
+            assert len(row["per_position_acceptance"]) == row["k"]
+    assert set(data["summary"]) == {"batch_1", "batch_2"}
+
+
+@needs_demo
+def test_eval_end_to_end_reports_every_rule(tmp_path):
+    r = cli("eval", "--prompts", "2", "--max-new-tokens", "8", "--seeds", "1",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "eval.json").read_text())
+    rules = [row["rule"] for row in data["rows"]]
+    assert rules == ["exact", "greedy", "threshold", "ratio", "dynamic", "typical"]
+    exact = data["rows"][0]
+    assert exact["ppl_change_vs_exact"] == 0.0
+    for row in data["rows"]:
+        assert row["perplexity"] > 1.0 and 0 < row["distinct_1"] <= 1
+        assert row["within_budget"] == (row["ppl_change_vs_exact"] <= 0.10)
