@@ -55,7 +55,7 @@ def continuation_logprobs(model: Transformer, prompt: list[int], continuation: l
                           ) -> list[float]:
     """log p(continuation_t | prompt, continuation_<t) under ``model`` (teacher forcing)."""
     ids = torch.tensor([prompt + continuation])
-    cache = new_kv_cache(model.config, 1, ids.shape[1], next(model.parameters()).dtype)
+    cache = new_kv_cache(model.config, 1, ids.shape[1], model.dtype)
     logits, _ = model(ids, torch.arange(ids.shape[1])[None], cache)
     logp = torch.log_softmax(logits[0, len(prompt) - 1: -1], dim=-1)
     return logp.gather(-1, torch.tensor(continuation)[:, None])[:, 0].tolist()

@@ -256,6 +256,14 @@ class Transformer(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
     def rope(self, input_pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         c = self.config
         # computed in fp32 every call (tiny) so a half-precision model keeps exact angles

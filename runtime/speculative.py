@@ -217,16 +217,14 @@ class SpeculativeDecoder:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.margin = 2 * self.k + 2  # room for a round's draft/verify writes past the length
-        dtype = next(verifier.parameters()).dtype
-        device = next(verifier.parameters()).device
+        dtype, device = verifier.dtype, verifier.device
         self.device = device
         size = max_seq_len + self.margin
         self.cache = new_kv_cache(verifier.config, max_batch_size, size, dtype, device)
         self.draft_cache: KVCache | None = None
         if drafter is not None and drafter.kind != "self":
-            draft_dtype = next(drafter.model.parameters()).dtype
             self.draft_cache = new_kv_cache(
-                drafter.model.config, max_batch_size, size, draft_dtype, device
+                drafter.model.config, max_batch_size, size, drafter.model.dtype, device
             )
 
     # -- one round's pieces -------------------------------------------------------------
