@@ -313,12 +313,20 @@ class SpeculativeDecoder:
         max_new_tokens: list[int],
         eos_token_ids: list[int | None],
         gen: torch.Generator,
+        num_draft_tokens: list[int] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier (and a separate draft) over the
         right-padded prompts and take the first token from the same correction code (K=0).
+        ``num_draft_tokens``: per-request K (<= the decoder's K; default: K).
         Returns, per slot, the tokens it gained and whether it is still running."""
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
+        width = max(self.k, 1)
+        if num_draft_tokens is None:
+            num_draft_tokens = [width] * len(slots)
+        for k in num_draft_tokens:
+            if not isinstance(k, int) or not 1 <= k <= width:
+                raise ValueError(f"num_draft_tokens must be an integer in [1, {width}]; got {k!r}")
         t0 = time.perf_counter()
         dev, B = self.device, len(slots)
         rows = torch.tensor(slots, device=dev)
@@ -334,7 +342,7 @@ class SpeculativeDecoder:
         self.limit[rows] = torch.tensor(max_new_tokens, device=dev)
         self.eos[rows] = torch.tensor([-1 if e is None else e for e in eos_token_ids],
                                       device=dev)
-        self.k_rows[rows] = max(self.k, 1)
+        self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
         self.counters[:, rows] = 0
         self.per_pos[:, rows] = 0
         self.times[:, slots] = 0.0
@@ -387,11 +395,10 @@ class SpeculativeDecoder:
         cache_rows = None if all_rows else rows  # plain slices when every slot runs
         lengths = self.lengths[rows]
         k_max = self.k
-        if self.adaptive_k:  # the round drafts max K of its rows; each row stops at its own
-            k_rows = self.k_rows[rows]
-            k = max(self.host_k[s] for s in slots)
-        else:
-            k_rows, k = None, k_max
+        # the round drafts the largest K of its rows; each row stops at its own K
+        # (adaptive K, or a per-request num_draft_tokens)
+        k_rows = self.k_rows[rows]
+        k = max(self.host_k[s] for s in slots)
         # attend over the live part of the cache only (host-side bound: no sync needed)
         bound = max(self.host_lengths[s] for s in slots) + 2 * k_max + 2
         tokens = self.tokens[rows]
@@ -409,15 +416,14 @@ class SpeculativeDecoder:
         logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound, rows=cache_rows,
                                      audit=audit)
         t2 = time.perf_counter()
-        num_drafted = k_rows.clamp(max=width) if k_rows is not None else None
+        num_drafted = k_rows.clamp(max=width)
         leaked_rows = torch.zeros_like(lengths, dtype=torch.bool)
         if audit:
             # a position that looked at a later one has untrustworthy logits: stop there
             leaked = leak > self.audit_epsilon
             leaked_rows = leaked.any(1)
             first_leak = torch.where(leaked_rows, leaked.int().argmax(1), width)
-            limit = num_drafted if num_drafted is not None else torch.full_like(lengths, width)
-            num_drafted = torch.minimum(first_leak, limit)
+            num_drafted = torch.minimum(first_leak, num_drafted)
         randoms = draw_randoms(len(slots), width, self.verifier.config.vocab_size, gen, dev)
         num_accepted, next_token = correct(
             logits, draft_tokens, draft_probs, self.params, randoms, num_drafted
@@ -428,7 +434,7 @@ class SpeculativeDecoder:
         write_pos = lengths[:, None] + 1 + torch.arange(width + 1, device=dev)
         self.tokens[rows[:, None], write_pos] = emitted
         self.lengths[rows] = lengths + num_accepted + 1  # the rollback: a length
-        drafted = num_drafted if num_drafted is not None else torch.full_like(lengths, width)
+        drafted = num_drafted
         if self.adaptive_k:  # +2 after a fully accepted block, −1 otherwise, within [1, K]
             grow = num_accepted == k_rows
             self.k_rows[rows] = torch.where(grow, k_rows + 2, k_rows - 1).clamp(1, k_max)

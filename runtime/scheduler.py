@@ -1,0 +1,180 @@
+"""In-flight batching: many requests over a fixed pool of KV-cache slots.
+
+Requests join the running batch between rounds (a batched prefill into free slots) and leave
+as soon as they finish or are cancelled; their slot is reused by the next request. When every
+slot is busy, new requests wait in a bounded queue; a full queue refuses a request at once
+(``QueueFull``) instead of letting work pile up. One background thread owns the decoder.
+
+A running batch shares one set of rule parameters (the decoder's correction is vectorised
+over rows with scalar parameters); a request whose parameters differ from the running batch
+waits until that batch drains, in arrival order. K (``num_draft_tokens``) is per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .correction import RuleParams
+from .speculative import SpecStats, SpeculativeDecoder
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    params: RuleParams
+    on_tokens: Callable[[list[int]], None]  # the tokens gained in a round
+    on_done: Callable[[SpecStats | None, BaseException | None], None]
+    num_draft_tokens: int | None = None
+    seed: int = 0
+    eos_token_id: int | None = None
+    is_cancelled: Callable[[], bool] = lambda: False
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    def __init__(self, decoder: SpeculativeDecoder, max_queue: int = 64):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0; got {max_queue}")
+        self.decoder = decoder
+        self.max_queue = max_queue
+        self.queue: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free = list(range(decoder.max_batch_size))
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.generator = torch.Generator(device=decoder.device)
+        decoder.reset()
+        self.thread = threading.Thread(target=self._loop, name="paradraft-scheduler",
+                                       daemon=True)
+        self.thread.start()
+
+    # -- called from request threads ----------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Validate and enqueue; raises ValueError (bad request) or QueueFull."""
+        self.decoder.check_request(request.prompt, request.max_new_tokens)
+        k = request.num_draft_tokens
+        width = max(self.decoder.k, 1)
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= width):
+            raise ValueError(f"num_draft_tokens must be an integer in [1, {width}]; got {k!r}")
+        with self.lock:
+            if self.stopping:
+                raise RuntimeError("scheduler is shutting down")
+            if len(self.queue) >= self.max_queue and not self.free:
+                raise QueueFull(f"queue full ({self.max_queue} waiting, all "
+                                f"{self.decoder.max_batch_size} slots busy); retry later")
+            self.queue.append(request)
+            self.lock.notify()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"active": len(self.running), "queued": len(self.queue),
+                    "free_slots": len(self.free)}
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        self.thread.join(timeout=30)
+
+    # -- the scheduler thread -----------------------------------------------------------
+
+    def _admit(self) -> list[tuple[int, Request]]:
+        """Take queued requests that fit: free slots, same parameters as the running batch."""
+        with self.lock:
+            while not self.queue and not self.running and not self.stopping:
+                self.lock.wait()
+            admitted = []
+            while self.queue and self.free:
+                head = self.queue[0]
+                current = (next(iter(self.running.values())).params if self.running
+                           else admitted[0][1].params if admitted else None)
+                if current is not None and head.params != current:
+                    break  # waits for the running batch to drain
+                self.queue.popleft()
+                admitted.append((self.free.pop(0), head))
+            return admitted
+
+    def _loop(self) -> None:
+        while True:
+            admitted = self._admit()
+            if self.stopping:
+                self._fail_all(RuntimeError("server shutting down"))
+                return
+            try:
+                if admitted:
+                    self._prefill(admitted)
+                self._drop_cancelled()
+                if self.running:
+                    slots = sorted(self.running)
+                    new, alive = self.decoder.step(slots, self.generator)
+                    self._deliver(slots, new, alive)
+            except Exception as e:  # a failing round fails its requests, not the server
+                self._fail_all(e)
+
+    def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
+        first = admitted[0][1]
+        if not self.running:  # a new batch: its parameters and seed come from its first request
+            self.decoder.params = first.params
+            self.decoder.draft_sampling = first.params.rule == "exact"
+            self.generator.manual_seed(first.seed)
+        slots = [s for s, _ in admitted]
+        reqs = [r for _, r in admitted]
+        width = max(self.decoder.k, 1)
+        new, alive = self.decoder.prefill(
+            slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
+            [r.eos_token_id for r in reqs], self.generator,
+            [r.num_draft_tokens or width for r in reqs])
+        for slot, req in admitted:
+            self.running[slot] = req
+        self._deliver(slots, new, alive)
+
+    def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
+        for slot, tokens, running in zip(slots, new, alive, strict=True):
+            req = self.running[slot]
+            try:
+                if tokens:
+                    req.on_tokens(tokens)
+                if not running:
+                    self._release(slot)
+                    req.on_done(self.decoder.slot_stats(slot), None)
+            except Exception:  # a broken client callback must not stop everyone else
+                self._release(slot)
+
+    def _drop_cancelled(self) -> None:
+        for slot, req in list(self.running.items()):
+            if req.is_cancelled():
+                self._release(slot)
+                req.on_done(None, None)
+
+    def _release(self, slot: int) -> None:
+        if slot in self.running:
+            del self.running[slot]
+            with self.lock:
+                self.free.append(slot)
+                self.free.sort()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for slot, req in list(self.running.items()):
+            self._release(slot)
+            req.on_done(None, error)
+        with self.lock:
+            waiting = list(self.queue)
+            self.queue.clear()
+        if self.stopping:
+            for req in waiting:
+                req.on_done(None, error)
+        else:
+            with self.lock:
+                self.queue.extend(waiting)

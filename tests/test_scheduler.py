@@ -1,0 +1,89 @@
+"""In-flight batching: requests join and leave between rounds over a fixed slot pool."""
+
+import threading
+
+import pytest
+import torch
+
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.model import load_model
+from paradraft.runtime.scheduler import QueueFull, Request, Scheduler
+from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+
+
+@pytest.fixture(scope="module")
+def models(pair):
+    return load_model(pair[0]), load_model(pair[1])
+
+
+def collect(scheduler, prompt, max_new, params, **kw):
+    out, done = [], threading.Event()
+    result = {}
+
+    def on_done(stats, error):
+        result.update(stats=stats, error=error)
+        done.set()
+
+    req = Request(prompt, max_new, params, out.extend, on_done, **kw)
+    scheduler.submit(req)
+    return out, done, result
+
+
+def test_many_requests_over_few_slots_each_get_their_solo_output(models):
+    verifier, draft = models
+    greedy = RuleParams("greedy")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 20, (16,), generator=g)]
+    lengths = [int(n) for n in torch.randint(1, 30, (16,), generator=g)]
+    solo = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=4, max_batch_size=1,
+                              max_seq_len=64)
+    want = [solo.generate([p], n).token_ids[0] for p, n in zip(prompts, lengths, strict=True)]
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=4, max_batch_size=4,
+                             max_seq_len=64)
+    sched = Scheduler(dec, max_queue=16)
+    try:
+        runs = [collect(sched, p, n, greedy, num_draft_tokens=1 + i % 4)
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        for out, done, result in runs:
+            assert done.wait(120)
+            assert result["error"] is None
+        assert [r[0] for r in runs] == want
+        assert all(r[2]["stats"].generated_tokens == n for r, n in zip(runs, lengths,
+                                                                      strict=True))
+        assert sched.stats() == {"active": 0, "queued": 0, "free_slots": 4}
+    finally:
+        sched.stop()
+
+
+def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=1, max_seq_len=64)
+    sched = Scheduler(dec, max_queue=1)
+    greedy = RuleParams("greedy")
+    try:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            collect(sched, [1, 2], 0, greedy)
+        with pytest.raises(ValueError, match=r"num_draft_tokens must be an integer in \[1, 2\]"):
+            collect(sched, [1, 2], 4, greedy, num_draft_tokens=3)
+        started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
+
+        def hold(tokens):  # keeps the only slot busy until the test has filled the queue
+            started.set()
+            release.wait(60)
+
+        done_first = threading.Event()
+        first = Request([1, 2], 60, greedy, hold, lambda s, e: done_first.set(),
+                        is_cancelled=cancelled.is_set)
+        sched.submit(first)
+        assert started.wait(60)
+        second = collect(sched, [3, 4], 4, greedy)  # waits in the queue
+        with pytest.raises(QueueFull, match="queue full"):
+            collect(sched, [5], 4, greedy)
+        cancelled.set()  # the long one leaves; its slot serves the waiting one
+        release.set()
+        assert done_first.wait(60) and second[1].wait(60)
+        assert second[2]["error"] is None and len(second[0]) == 4
+    finally:
+        sched.stop()
