@@ -45,7 +45,7 @@ def test_many_requests_over_few_slots_each_get_their_solo_output(models):
     try:
         runs = [collect(sched, p, n, greedy, num_draft_tokens=1 + i % 4)
                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
-        for out, done, result in runs:
+        for _, done, result in runs:
             assert done.wait(120)
             assert result["error"] is None
         assert [r[0] for r in runs] == want
