@@ -4,13 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean serve-deps
+
+TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
+PYTRITON := nvidia-pytriton==0.7.0
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The tritonserver binary (CPU) from the nvidia-pytriton wheel, unpacked into the venv without
+# installing pytriton's Python package (it pins numpy < 2; the binary needs none of it).
+$(TRITON): | $(STAMP)
+	$(BIN)/pip download --quiet --no-deps $(PYTRITON) -d $(VENV)/wheels
+	$(BIN)/python -m zipfile -e $(VENV)/wheels/nvidia_pytriton-*.whl $(VENV)/pytriton
+	chmod +x $(TRITON) $(VENV)/pytriton/pytriton/tritonserver/python_backend_stubs/*/*
+
+serve-deps: $(TRITON)
 
 demo: $(STAMP)
 	$(BIN)/paradraft generate --prompt "def fibonacci(n):" --max-new-tokens 64 --k 4

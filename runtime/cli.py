@@ -41,17 +41,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
     p.add_argument("--self-draft-layers", type=int, default=None,
                    help="verifier layers the self-draft uses (default: config or 1)")
-    p.add_argument("--rule", choices=RULES, default="greedy")
+    p.add_argument("--engines", default=None,
+                   help="engine dir from `paradraft build` (ONNX Runtime backend) instead of "
+                        "--verifier/--draft")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (K)")
     p.add_argument("--adaptive-k", action="store_true", help="per-row K in [1, --k]")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--tau", type=float, default=0.3, help="threshold τ / dynamic τ_base")
-    p.add_argument("--gamma", type=float, default=1.0, help="ratio rule γ")
-    p.add_argument("--alpha", type=float, default=0.1, help="dynamic rule α")
-    p.add_argument("--top-p-membership", action="store_true", help="dynamic rule top-p test")
-    p.add_argument("--epsilon", type=float, default=0.09, help="typical rule ε")
-    p.add_argument("--delta", type=float, default=0.3, help="typical rule δ")
+    add_rule_args(p)
     p.add_argument("--audit-epsilon", type=float, default=None,
                    help="enable the attention causal audit with this ε")
     p.add_argument("--no-speculation", action="store_true",
@@ -60,8 +55,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def add_rule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rule", choices=RULES, default="greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--tau", type=float, default=0.3, help="threshold τ / dynamic τ_base")
+    p.add_argument("--gamma", type=float, default=1.0, help="ratio rule γ")
+    p.add_argument("--alpha", type=float, default=0.1, help="dynamic rule α")
+    p.add_argument("--top-p-membership", action="store_true", help="dynamic rule top-p test")
+    p.add_argument("--epsilon", type=float, default=0.09, help="typical rule ε")
+    p.add_argument("--delta", type=float, default=0.3, help="typical rule δ")
+
+
 def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
                   ) -> tuple[SpeculativeDecoder, Transformer]:
+    if args.engines:
+        verifier, drafter = engine_models(args, max_batch_size, max_seq_len)
+        return SpeculativeDecoder(
+            verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
+            audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+        ), verifier
     dtype = getattr(torch, args.dtype)
     verifier = load_model(args.verifier, dtype=dtype)
     drafter = None
@@ -79,12 +93,56 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     return decoder, verifier
 
 
+def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
+                  ) -> tuple[object, Drafter | None]:
+    """The verifier engine and the requested drafter from ``--engines`` (ONNX Runtime)."""
+    from .engines import load_engines
+
+    if args.dtype != "float32":
+        raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
+    verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers)
+    k = 0 if args.no_speculation else args.k
+    check_engine_limits(manifest, max_batch_size, max_seq_len, k)
+    if args.no_speculation:
+        return verifier, None
+    if args.drafter not in drafters:
+        raise ValueError(f"drafter {args.drafter!r} was not built into {args.engines}; "
+                         f"built: {', '.join(sorted(drafters))}")
+    return verifier, drafters[args.drafter]
+
+
+def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int) -> None:
+    limits = manifest["limits"]
+    for label, name, value in [("batch size", "max_batch_size", batch_size),
+                               ("prompt length + max_new_tokens", "max_seq_len", seq_len),
+                               ("k", "max_k", k)]:
+        if value > limits[name]:
+            raise ValueError(f"{label} must be <= {limits[name]} (the engines' {name}); "
+                             f"got {value}")
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    from paradraft.build.onnx import build_engines
+
+    verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
+    if verifier is None:  # no model arguments: the shipped demo set
+        verifier = DEMO_DIR / "verifier"
+        draft = draft or DEMO_DIR / "draft"
+        parallel = parallel or DEMO_DIR / "parallel_draft"
+    manifest = build_engines(
+        verifier, args.out, draft, parallel, self_draft_layers=args.self_draft_layers,
+        rule_defaults=rule_params(args), max_batch_size=args.max_batch_size, max_k=args.max_k,
+        max_seq_len=args.max_seq_len, dtype=args.dtype)
+    print(f"wrote {Path(args.out) / 'manifest.json'} ({args.backend}): "
+          f"{', '.join(manifest['checksums'])}")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     if args.prompt_ids:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
         tokenizer = None
     else:
-        tokenizer = load_tokenizer(args.verifier)
+        tokenizer = load_tokenizer(args.engines or args.verifier)
         prompt = tokenizer.encode(args.prompt).ids
     decoder, verifier = build_decoder(args, 1, len(prompt) + args.max_new_tokens)
     eos = None if args.ignore_eos else verifier.config.eos_token_id
@@ -164,24 +222,65 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import print_rows, run_bench, summary, write_outputs
+def bench_engines(args: argparse.Namespace, tmp: str) -> tuple[object, dict[str, Drafter]]:
+    """The onnx backend's verifier and drafters: ``--engines`` or a build into ``tmp``."""
+    from .engines import load_engines
 
-    verifier = load_model(args.verifier)
-    drafters = load_drafters(args, verifier, torch.float32)
+    names = args.drafters.split(",")
+    engine_dir = args.engines
+    if engine_dir is None:
+        from paradraft.build.onnx import build_engines
+
+        engine_dir = tmp
+        build_engines(args.verifier, tmp, args.draft if "model" in names else None,
+                      args.parallel_draft if "parallel" in names else None,
+                      self_draft_layers=args.self_draft_layers)
+    verifier, drafters, _, _ = load_engines(engine_dir, args.self_draft_layers)
+    missing = [n for n in names if n not in drafters]
+    if missing:
+        raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
+                         f"built: {', '.join(sorted(drafters))}")
+    return verifier, {n: drafters[n] for n in names}
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from .bench import compare_backends, print_rows, run_bench, summary, write_outputs
+
+    backends = args.backends.split(",")
+    if not backends or any(b not in ("torch", "onnx") for b in backends):
+        raise ValueError(f"backends must be a comma list of torch, onnx; got {args.backends!r}")
     ks = int_list(args.ks, "ks", 1, 16)
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
     prompts = eval_prompts(args)
-    hf_dirs = None if args.no_hf else (args.verifier, args.draft)
-    rows = run_bench(verifier, drafters, prompts, args.max_new_tokens, batch_sizes, ks,
-                     hf_dirs, seed=args.seed, temperature=args.temperature)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
+        for i, backend in enumerate(backends):
+            if backend == "torch":
+                verifier = load_model(args.verifier)
+                drafters = load_drafters(args, verifier, torch.float32)
+            else:
+                verifier, drafters = bench_engines(args, tmp)
+            # the transformers peers run once, with the first backend
+            hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
+            backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
+                                     batch_sizes, ks, hf_dirs, seed=args.seed,
+                                     temperature=args.temperature)
+            for r in backend_rows:
+                r.backend = backend
+            rows += backend_rows
+    ratios = compare_backends(rows)
     meta = {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
             "verifier": args.verifier, "draft": args.draft,
-            "parallel_draft": args.parallel_draft, "temperature": args.temperature}
+            "parallel_draft": args.parallel_draft, "temperature": args.temperature,
+            "backends": backends, "vs_torch": ratios}
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))
+    if ratios:
+        print("tokens/s relative to the torch backend:", json.dumps(ratios, indent=2))
     print(f"wrote {Path(args.out) / 'bench.json'} and bench.png")
 
 
@@ -231,6 +330,75 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
     print(f"wrote {out / name}")
 
 
+def serve_config(args: argparse.Namespace):
+    from .serve import ServeConfig
+
+    verifier = args.verifier
+    eos = load_model_config_eos(verifier) if not args.engines else None
+    draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
+                                          else "draft"))
+    return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
+                       engines=args.engines, k=args.k, max_slots=args.max_slots,
+                       max_queue=args.max_queue, max_seq_len=args.max_seq_len,
+                       max_input_tokens=args.max_seq_len - 1, rule=args.rule,
+                       eos_token_id=eos)
+
+
+def load_model_config_eos(model_dir: str) -> int | None:
+    from .model import load_config
+
+    return load_config(model_dir).eos_token_id
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
+    from .serve import start_server
+
+    config = serve_config(args)
+    tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
+    if not Path(tokenizer).is_file():
+        raise FileNotFoundError(f"missing {tokenizer}")
+    server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
+                          http_port=args.http_port, metrics_port=args.metrics_port,
+                          workdir=args.workdir)
+    print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
+          f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}/metrics"
+          f" (log {server.log})", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set() and server.process.poll() is None:
+        stop.wait(0.5)
+    code = server.stop()
+    print(f"paradraft: tritonserver stopped ({code})", flush=True)
+
+
+def cmd_query(args: argparse.Namespace) -> None:
+    from .serve import complete
+
+    def show(text: str) -> None:
+        if args.stream and not args.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    optional = dict(temperature=args.temperature, top_p=args.top_p, random_seed=args.seed,
+                    num_draft_tokens=args.num_draft_tokens, correction_rule=args.rule)
+    result = complete(args.url, args.prompt, args.max_tokens, stream=args.stream,
+                      on_text=show, **optional)
+    stats = {"acceptance_rate": result.acceptance_rate,
+             "total_accepted_draft_tokens": result.total_accepted_draft_tokens,
+             "total_draft_tokens": result.total_draft_tokens,
+             "responses": len(result.chunks), "first_response_s": result.first_token_s}
+    if args.json:
+        print(json.dumps({"text": result.text, "stats": stats}))
+    else:
+        if not args.stream:
+            sys.stdout.write(result.text)
+        print(f"\n[{stats}]", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="paradraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +416,24 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--batch-sizes", default="1,4,16")
     b.add_argument("--temperature", type=float, default=1.0, help="for the sampling rows")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    b.add_argument("--backends", default="torch",
+                   help="comma list of torch, onnx: run our variants on each, side by side")
+    b.add_argument("--engines", default=None,
+                   help="engine dir for the onnx backend (default: build into a temp dir)")
+    bd = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
+    bd.add_argument("--verifier", default=None,
+                    help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
+    bd.add_argument("--draft", default=None, help="HF-format dir of the draft model")
+    bd.add_argument("--parallel-draft", default=None, help="HF-format dir (PARD-style draft)")
+    bd.add_argument("--self-draft-layers", type=int, default=None,
+                    help="verifier layers of the self-draft graph (default: config or 1)")
+    bd.add_argument("--backend", choices=["onnx"], default="onnx")
+    bd.add_argument("--out", default="engines", help="engine dir to write")
+    bd.add_argument("--max-batch-size", type=int, default=8)
+    bd.add_argument("--max-k", type=int, default=8)
+    bd.add_argument("--max-seq-len", type=int, default=512)
+    bd.add_argument("--dtype", choices=["float32"], default="float32")
+    add_rule_args(bd)  # the rule defaults the correction graph carries
     for name, helptext in [("eval", "perplexity / diversity per rule vs exact"),
                            ("tune", "sweep a rule's parameters: speed/quality frontier")]:
         e = sub.add_parser(name, help=helptext)
@@ -263,15 +449,47 @@ def main(argv: list[str] | None = None) -> None:
         if name == "tune":
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])
+    s = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
+    s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
+    s.add_argument("--draft", default=None)
+    s.add_argument("--drafter", choices=DRAFTERS, default="model")
+    s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
+    s.add_argument("--k", type=int, default=4)
+    s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
+    s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    s.add_argument("--max-seq-len", type=int, default=512)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--workdir", type=Path, default=None, help="where the repository goes")
+    q = sub.add_parser("query", help="stream a completion from a paradraft Triton server")
+    q.add_argument("--url", default="127.0.0.1:8001", help="gRPC HOST:PORT")
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--max-tokens", type=int, default=64)
+    q.add_argument("--stream", action="store_true")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--rule", choices=RULES, default=None)
+    q.add_argument("--temperature", type=float, default=None)
+    q.add_argument("--top-p", type=float, default=None)
+    q.add_argument("--seed", type=int, default=None)
+    q.add_argument("--num-draft-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "build":
+            cmd_build(args)
         elif args.command == "bench":
             cmd_bench(args)
         elif args.command in ("eval", "tune"):
             cmd_eval(args, tune=args.command == "tune")
-    except (ValueError, FileNotFoundError) as e:
+        elif args.command == "serve":
+            cmd_serve(args)
+        elif args.command == "query":
+            cmd_query(args)
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         parser.exit(2, f"paradraft: error: {e}\n")
 
 

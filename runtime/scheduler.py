@@ -13,6 +13,7 @@ waits until that batch drains, in arrival order. K (``num_draft_tokens``) is per
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,9 @@ import torch
 
 from .correction import RuleParams
 from .speculative import SpecStats, SpeculativeDecoder
+
+
+log = logging.getLogger("paradraft")
 
 
 class QueueFull(RuntimeError):
@@ -149,8 +153,12 @@ class Scheduler:
                 if not running:
                     self._release(slot)
                     req.on_done(self.decoder.slot_stats(slot), None)
-            except Exception:  # a broken client callback must not stop everyone else
+            except Exception as e:  # a broken callback must not stop everyone else
                 self._release(slot)
+                try:
+                    req.on_done(None, e)
+                except Exception:
+                    log.exception("request callback failed")
 
     def _drop_cancelled(self) -> None:
         for slot, req in list(self.running.items()):

@@ -1,0 +1,1 @@
+"""Triton model-repository templates (``paradraft serve`` fills them in for an engine set)."""

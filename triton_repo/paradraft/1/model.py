@@ -1,0 +1,147 @@
+"""Triton Python model (decoupled): the speculative decoder behind an in-flight scheduler.
+
+execute() validates each request, hands it to the scheduler and returns at once; the
+scheduler thread streams responses through each request's response sender as rounds
+complete. Request parsing and the decoder set-up are paradraft.runtime.serve's (tested in
+process); this file only adapts them to Triton."""
+
+import json
+import site
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
+          "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha", "epsilon",
+          "delta")
+LENGTH_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17]
+
+
+class Metrics:
+    """Custom Prometheus metrics on Triton's metrics port."""
+
+    def __init__(self):
+        self.families = []  # a MetricFamily must outlive its Metrics: keep them all
+
+        def family(name, kind, text):
+            self.families.append(pb_utils.MetricFamily(name=name, description=text, kind=kind))
+            return self.families[-1]
+
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        labels = {"model": "paradraft"}
+        self.drafted = family("paradraft_draft_tokens_total", counter,
+                              "draft tokens proposed").Metric(labels=labels)
+        self.accepted = family("paradraft_accepted_tokens_total", counter,
+                               "draft tokens accepted").Metric(labels=labels)
+        self.rollbacks = family("paradraft_rollbacks_total", counter,
+                                "verify steps that rejected a draft token").Metric(labels=labels)
+        self.requests = family("paradraft_requests_total", counter,
+                               "requests finished").Metric(labels=labels)
+        self.active = family("paradraft_active_sequences", gauge,
+                             "sequences in the running batch").Metric(labels=labels)
+        self.queued = family("paradraft_queue_depth", gauge,
+                             "requests waiting for a slot").Metric(labels=labels)
+        kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
+        self.length_hist = None
+        self.length_counts = None
+        if kind is not None:
+            self.length_hist = family(
+                "paradraft_acceptance_length", kind,
+                "tokens gained per verify step (accepted + 1)").Metric(
+                    labels=labels, buckets=[float(b) for b in LENGTH_BUCKETS])
+        else:  # older Python backends: one counter per length, labelled like buckets
+            fam = family("paradraft_acceptance_length_count", counter,
+                         "verify steps per number of tokens gained")
+            self.length_counts = {b: fam.Metric(labels={**labels, "length": str(b)})
+                                  for b in LENGTH_BUCKETS}
+
+    def observe_length(self, n):
+        if self.length_hist is not None:
+            self.length_hist.observe(float(n))
+        else:
+            bucket = min((b for b in LENGTH_BUCKETS if b >= n), default=LENGTH_BUCKETS[-1])
+            self.length_counts[bucket].increment(1)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"]
+                  for k, v in json.loads(args["model_config"])["parameters"].items()}
+        site.addsitedir(params["site_packages"])  # the project's venv (.pth files included)
+        from paradraft.runtime import serve
+        from paradraft.runtime.scheduler import QueueFull, Request
+
+        self.serve, self.Request, self.QueueFull = serve, Request, QueueFull
+        with open(params["model_config"]) as f:
+            self.config = serve.ServeConfig(**json.load(f))
+        self.scheduler = serve.build_scheduler(self.config)
+        self.metrics = Metrics()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parsed = self.serve.parse_request(inputs, self.config)
+                self.scheduler.submit(self.make_request(parsed, sender))
+            except (ValueError, self.QueueFull) as e:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+                            flags=FINAL)
+        return None
+
+    def make_request(self, parsed, sender):
+        tokens, sent = [], [0]
+        metrics, scheduler = self.metrics, self.scheduler
+
+        def response(final, stats):
+            accepted, drafted = (stats.accepted_tokens, stats.draft_tokens) if stats else (0, 0)
+            rate = accepted / drafted if drafted else 0.0
+            out = [pb_utils.Tensor("output_ids", np.array([tokens], dtype=np.int32)),
+                   pb_utils.Tensor("prev_length", np.array([[sent[0]]], dtype=np.int32)),
+                   pb_utils.Tensor("is_final", np.array([[final]], dtype=np.bool_)),
+                   pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
+                   pb_utils.Tensor("total_accepted_draft_tokens",
+                                   np.array([[accepted]], dtype=np.int32)),
+                   pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32))]
+            sent[0] = len(tokens)
+            return pb_utils.InferenceResponse(output_tensors=out)
+
+        def on_tokens(new):
+            tokens.extend(new)
+            metrics.observe_length(len(new))
+            state = scheduler.stats()
+            metrics.active.set(state["active"])
+            metrics.queued.set(state["queued"])
+            if parsed.stream and not sender.is_cancelled():
+                sender.send(response(False, None))
+
+        def on_done(stats, error):
+            try:
+                if error is not None:
+                    sender.send(pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(f"generation failed: {error}")), flags=FINAL)
+                elif stats is None:  # cancelled by the client: just close the stream
+                    sender.send(flags=FINAL)
+                else:
+                    metrics.drafted.increment(stats.draft_tokens)
+                    metrics.accepted.increment(stats.accepted_tokens)
+                    metrics.rollbacks.increment(stats.rollbacks)
+                    metrics.requests.increment(1)
+                    sender.send(response(True, stats), flags=FINAL)
+            finally:
+                state = scheduler.stats()
+                metrics.active.set(state["active"])
+                metrics.queued.set(state["queued"])
+
+        return self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
+                            on_done, num_draft_tokens=parsed.num_draft_tokens,
+                            seed=parsed.seed, eos_token_id=parsed.eos_token_id,
+                            is_cancelled=sender.is_cancelled)
+
+    def finalize(self):
+        self.scheduler.stop()
