@@ -24,7 +24,6 @@ import torch
 from .correction import RuleParams
 from .speculative import SpecStats, SpeculativeDecoder
 
-
 log = logging.getLogger("paradraft")
 
 

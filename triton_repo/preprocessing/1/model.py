@@ -32,7 +32,8 @@ class TritonPythonModel:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"text_input is not valid UTF-8 ({e.reason} at byte {e.start})")
+            raise ValueError(
+                f"text_input is not valid UTF-8 ({e.reason} at byte {e.start})") from None
         if not text:
             raise ValueError("text_input is empty")
         ids = self.tokenizer.encode(text).ids
