@@ -150,8 +150,15 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
     end_id = scalar(inputs, "end_id", int)
     stream = scalar(inputs, "stream", bool)
     return ParsedRequest(prompt, max_tokens, params, k, 0 if seed is None else seed % 2**63,
-                         config.eos_token_id if end_id is None or end_id < 0 else end_id,
+                         config.eos_token_id if end_id is None else eos_or_none(end_id),
                          bool(stream))
+
+
+def eos_or_none(end_id: int) -> int | None:
+    """end_id as TensorRT-LLM reads it: -1 means "no end token" (stop at max_tokens only)."""
+    if end_id < -1:
+        raise ValueError(f"end_id must be -1 (none) or a token id >= 0; got {end_id}")
+    return None if end_id == -1 else end_id
 
 
 # -- the model repository and the server -----------------------------------------------

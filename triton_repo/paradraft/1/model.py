@@ -125,7 +125,7 @@ class TritonPythonModel:
                 if error is not None:
                     sender.send(pb_utils.InferenceResponse(
                         error=pb_utils.TritonError(f"generation failed: {error}")), flags=FINAL)
-                elif stats is None:  # cancelled by the client: just close the stream
+                elif stats is None:  # cancelled: close the response stream
                     sender.send(flags=FINAL)
                 else:
                     metrics.drafted.increment(stats.draft_tokens)
