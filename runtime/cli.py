@@ -375,6 +375,73 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print(f"paradraft: tritonserver stopped ({code})", flush=True)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_server(args: argparse.Namespace):
+    """Start a server on free local ports for demo / loadtest (stopped by the caller)."""
+    from .serve import start_server
+
+    config = serve_config(args)
+    tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
+    print("paradraft: starting tritonserver ...", file=sys.stderr, flush=True)
+    return start_server(config, tokenizer, grpc_port=free_port(), http_port=free_port(),
+                        metrics_port=free_port())
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .serve import complete
+
+    server = own_server(args)
+    try:
+        print(f"paradraft: Triton ready on {server.grpc_url}; streaming one completion over "
+              f"gRPC\n", file=sys.stderr, flush=True)
+        sys.stdout.write(args.prompt)
+
+        def show(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        r = complete(server.grpc_url, args.prompt, args.max_tokens, stream=True, on_text=show)
+        tokens = sum(r.chunk_tokens)
+        print(f"\n\n[{tokens} tokens in {len(r.chunks)} streamed responses; acceptance rate "
+              f"{r.acceptance_rate:.2f} ({r.total_accepted_draft_tokens}/"
+              f"{r.total_draft_tokens} draft tokens); first response after "
+              f"{r.first_token_s * 1e3:.0f} ms; {tokens / r.chunk_times[-1]:.1f} tok/s]",
+              flush=True)
+    finally:
+        server.stop()
+        print("paradraft: tritonserver stopped", file=sys.stderr)
+
+
+def cmd_loadtest(args: argparse.Namespace) -> None:
+    from .evaluate import heldout_texts
+    from .loadtest import print_results, run_loadtest, write_outputs
+
+    levels = int_list(args.concurrency, "concurrency", 1, 256)
+    if args.requests < 1:
+        raise ValueError(f"requests must be >= 1; got {args.requests}")
+    prompts = [t[:200] for t in heldout_texts(args.heldout)]
+    server = None if args.url else own_server(args)
+    url = args.url or server.grpc_url
+    try:
+        results = run_loadtest(url, prompts, levels, args.requests, args.max_tokens)
+    finally:
+        if server is not None:
+            server.stop()
+    data = write_outputs(results, Path(args.out), {
+        "url": url, "requests_per_level": args.requests, "max_tokens": args.max_tokens,
+        "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter})
+    print_results(results)
+    print(json.dumps(data["summary"], indent=2))
+    print(f"wrote {Path(args.out) / 'loadtest.json'} and loadtest.png")
+
+
 def cmd_query(args: argparse.Namespace) -> None:
     from .serve import complete
 
@@ -449,21 +516,37 @@ def main(argv: list[str] | None = None) -> None:
         if name == "tune":
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])
+    def add_server_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
+        s.add_argument("--draft", default=None)
+        s.add_argument("--drafter", choices=DRAFTERS, default="model")
+        s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
+        s.add_argument("--k", type=int, default=4)
+        s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
+        s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
+        s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+        s.add_argument("--max-seq-len", type=int, default=512)
+
     s = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
-    s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
-    s.add_argument("--draft", default=None)
-    s.add_argument("--drafter", choices=DRAFTERS, default="model")
-    s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
-    s.add_argument("--k", type=int, default=4)
-    s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
-    s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
-    s.add_argument("--max-seq-len", type=int, default=512)
+    add_server_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8002)
     s.add_argument("--workdir", type=Path, default=None, help="where the repository goes")
+    d = sub.add_parser("demo", help="the whole pipeline: start Triton, stream one completion "
+                                    "over gRPC, print the stats, stop the server")
+    add_server_args(d)
+    d.add_argument("--prompt", default="def fibonacci(n):")
+    d.add_argument("--max-tokens", type=int, default=64)
+    lt = sub.add_parser("loadtest", help="bounded-concurrency gRPC streaming load test")
+    add_server_args(lt)
+    lt.add_argument("--url", default=None, help="a running server (default: start one)")
+    lt.add_argument("--concurrency", default="1,4,8,16")
+    lt.add_argument("--requests", type=int, default=32, help="requests per level")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
+    lt.add_argument("--out", default="out")
     q = sub.add_parser("query", help="stream a completion from a paradraft Triton server")
     q.add_argument("--url", default="127.0.0.1:8001", help="gRPC HOST:PORT")
     q.add_argument("--prompt", required=True)
@@ -489,6 +572,10 @@ def main(argv: list[str] | None = None) -> None:
             cmd_serve(args)
         elif args.command == "query":
             cmd_query(args)
+        elif args.command == "demo":
+            cmd_demo(args)
+        elif args.command == "loadtest":
+            cmd_loadtest(args)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         parser.exit(2, f"paradraft: error: {e}\n")
 

@@ -314,6 +314,7 @@ class Completion:
     total_draft_tokens: int
     first_token_s: float
     chunk_times: list[float]
+    chunk_tokens: list[int]  # tokens each response carried (from sequence_length)
 
 
 def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
@@ -356,7 +357,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
 
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    chunks, times = [], []
+    chunks, times, counts = [], [], []
     stats = (0.0, 0, 0)
     t0 = time.perf_counter()
     try:
@@ -374,6 +375,8 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                 text = result.as_numpy("text_output").reshape(-1)[0].decode()
                 chunks.append(text)
                 times.append(time.perf_counter() - t0)
+                length = int(result.as_numpy("sequence_length").reshape(-1)[0])
+                counts.append(length - sum(counts))
                 stats = (float(result.as_numpy("acceptance_rate").reshape(-1)[0]),
                          int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
                          int(result.as_numpy("total_draft_tokens").reshape(-1)[0]))
@@ -385,4 +388,5 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
         client.stop_stream()
         client.close()
     return Completion("".join(chunks), chunks, *stats,
-                      first_token_s=times[0] if times else 0.0, chunk_times=times)
+                      first_token_s=times[0] if times else 0.0, chunk_times=times,
+                      chunk_tokens=counts)

@@ -107,7 +107,9 @@ class TritonPythonModel:
                    pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
                    pb_utils.Tensor("total_accepted_draft_tokens",
                                    np.array([[accepted]], dtype=np.int32)),
-                   pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32))]
+                   pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
+                   pb_utils.Tensor("sequence_length",
+                                   np.array([[len(tokens)]], dtype=np.int32))]
             sent[0] = len(tokens)
             return pb_utils.InferenceResponse(output_tensors=out)
 

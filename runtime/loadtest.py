@@ -1,0 +1,144 @@
+"""``paradraft loadtest``: bounded-concurrency gRPC streaming against a running server.
+
+For each concurrency level a fixed number of requests is sent by that many client threads
+(each sends its next request when the previous one finished), so the run stops by itself.
+Reports output tokens/s, time to first token and inter-token latency (p50/p99), errors,
+lost requests (sent but never answered) and acceptance. Ratios between levels come from one
+run against one server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .serve import complete
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    answered: int
+    errors: int
+    lost: int
+    output_tokens: int
+    seconds: float
+    tokens_per_second: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    acceptance_rate: float
+    error_messages: list[str]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+              progress: tqdm | None = None) -> LevelResult:
+    jobs = list(range(requests))
+    lock = threading.Lock()
+    results, errors = [], []
+
+    def worker():
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                i = jobs.pop()
+            try:
+                r = complete(url, prompts[i % len(prompts)], max_tokens, stream=True)
+                with lock:
+                    results.append(r)
+            except Exception as e:  # counted, never raised: the run must finish
+                with lock:
+                    errors.append(str(e)[:200])
+            if progress is not None:
+                progress.update(1)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    tokens = sum(sum(r.chunk_tokens) for r in results)
+    ttft = [r.first_token_s * 1e3 for r in results]
+    # inter-token latency: each gap between responses spread over the tokens it delivered
+    itl = []
+    for r in results:
+        for gap, n in zip(
+            [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)],
+            r.chunk_tokens[1:], strict=True,
+        ):
+            itl += [gap * 1e3 / n] * n if n else []
+    drafted = sum(r.total_draft_tokens for r in results)
+    accepted = sum(r.total_accepted_draft_tokens for r in results)
+    return LevelResult(
+        concurrency=concurrency, requests=requests, answered=len(results) + len(errors),
+        errors=len(errors), lost=requests - len(results) - len(errors), output_tokens=tokens,
+        seconds=seconds, tokens_per_second=tokens / seconds,
+        ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+        itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        error_messages=sorted(set(errors))[:5],
+    )
+
+
+def run_loadtest(url: str, prompts: list[str], levels: list[int], requests: int,
+                 max_tokens: int) -> list[LevelResult]:
+    complete(url, prompts[0], 4)  # warm-up
+    out = []
+    with tqdm(total=requests * len(levels), desc="loadtest", unit="req") as bar:
+        for c in levels:
+            out.append(run_level(url, prompts, c, requests, max_tokens, bar))
+    return out
+
+
+def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = results[0].tokens_per_second
+    summary = {f"c{r.concurrency}_vs_c{results[0].concurrency}": r.tokens_per_second / base
+               for r in results[1:]}
+    data = {"meta": meta, "summary": summary, "levels": [asdict(r) for r in results]}
+    (out_dir / "loadtest.json").write_text(json.dumps(data, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r.concurrency for r in results]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a1.plot(c, [r.tokens_per_second for r in results], marker="o")
+    a1.set(xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
+    a2.plot(c, [r.ttft_p50_ms for r in results], marker="o", label="TTFT p50")
+    a2.plot(c, [r.ttft_p99_ms for r in results], marker="o", label="TTFT p99")
+    a2.plot(c, [r.itl_p50_ms for r in results], marker="s", label="ITL p50")
+    a2.plot(c, [r.itl_p99_ms for r in results], marker="s", label="ITL p99")
+    a2.set(xlabel="concurrent streams", ylabel="ms", title="latency", yscale="log")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "loadtest.png", dpi=110)
+    plt.close(fig)
+    return data
+
+
+def print_results(results: list[LevelResult]) -> None:
+    print(f"{'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} {'tok/s':>8s} {'TTFT p50':>9s} "
+          f"{'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s}")
+    for r in results:
+        print(f"{r.concurrency:4d} {r.requests:4d} {r.errors:3d} {r.lost:4d} "
+              f"{r.tokens_per_second:8.1f} {r.ttft_p50_ms:8.0f}ms {r.ttft_p99_ms:6.0f}ms "
+              f"{r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms {r.acceptance_rate:6.2f}")
