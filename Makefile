@@ -24,10 +24,12 @@ $(TRITON): | $(STAMP)
 
 serve-deps: $(TRITON)
 
-demo: $(STAMP)
-	$(BIN)/paradraft generate --prompt "def fibonacci(n):" --max-new-tokens 64 --k 4
+# The main job on the CPU: start Triton with the demo pair, stream one completion over gRPC,
+# print the stats, stop the server.
+demo: $(STAMP) $(TRITON)
+	$(BIN)/paradraft demo --prompt "def fibonacci(n):" --max-tokens 64
 
-test: $(STAMP)
+test: $(STAMP) $(TRITON)
 	$(BIN)/ruff check .
 	# pytest exit code 5 = no tests collected: say so and fail, never pass silently
 	$(BIN)/python -m pytest -q tests; rc=$$?; \
