@@ -66,8 +66,9 @@ def test_frontier_keeps_only_undominated_settings():
     assert [r.label for r in frontier(rows)] == ["a", "b"]
 
 
-needs_demo = pytest.mark.skipif(not (DEMO / "verifier" / "config.json").is_file(),
-                                reason="demo models not present")
+needs_demo = pytest.mark.skipif(
+    not all((DEMO / m / "config.json").is_file() for m in ("verifier", "draft", "parallel_draft")),
+    reason="demo models not present")
 
 
 def cli(*args, timeout=900):
@@ -108,3 +109,22 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
     for row in data["rows"]:
         assert row["perplexity"] > 1.0 and 0 < row["distinct_1"] <= 1
         assert row["within_budget"] == (row["ppl_change_vs_exact"] <= 0.10)
+
+
+@needs_demo
+@pytest.mark.parametrize("name", ["verifier", "draft", "parallel_draft"])
+def test_shipped_models_match_transformers(name):
+    from transformers import AutoModelForCausalLM
+
+    path = DEMO / name
+    ours = load_model(path)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(3, ours.config.vocab_size, (2, 24), generator=torch.Generator()
+                           .manual_seed(0))
+    from paradraft.runtime.model import new_kv_cache
+
+    cache = new_kv_cache(ours.config, 2, 24, torch.float32)
+    logits, _ = ours(tokens, torch.arange(24).expand(2, -1), cache)
+    with torch.no_grad():
+        ref = theirs(tokens).logits
+    assert (logits - ref).abs().max() < 1e-4
