@@ -120,7 +120,7 @@ def acceptance_mask(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     params: RuleParams,
-    accept_uniforms: Tensor,
+    accept_uniforms: Tensor | None,
 ) -> Tensor:
     """[B, K] whether each draft token passes the rule on its own (before the prefix scan)."""
     d = draft_tokens[..., None]
@@ -159,20 +159,22 @@ def correct(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     params: RuleParams,
-    randoms: Randoms,
+    randoms: Randoms | None,
     num_drafted: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Apply the rule: returns (num_accepted [B], next_token [B]).
 
     target_logits [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V] or None (a greedy
-    draft: one-hot). num_drafted [B] (optional, <= K) treats positions at or past it as not
-    drafted: the row stops there and takes the verifier's token (adaptive K, causal audit).
+    draft: one-hot). randoms may be None for ``greedy`` (it draws nothing). num_drafted [B]
+    (optional, <= K) treats positions at or past it as not drafted: the row stops there and
+    takes the verifier's token (adaptive K, per-request K, causal audit).
     K = 0 is plain decoding: the next token comes from position 0.
     """
     K = draft_tokens.shape[1]
     positions = torch.arange(K, device=draft_tokens.device)
     accept = acceptance_mask(
-        target_logits[:, :K], draft_tokens, draft_probs, params, randoms.accept_uniforms
+        target_logits[:, :K], draft_tokens, draft_probs, params,
+        None if randoms is None else randoms.accept_uniforms,
     )
     if num_drafted is not None:
         accept &= positions < num_drafted[:, None]
@@ -183,6 +185,8 @@ def correct(
     )[:, 0]
     if params.rule == "greedy":
         return num_accepted, stop_logits.argmax(-1)
+    if randoms is None:
+        raise ValueError(f"rule {params.rule!r} samples: it needs random numbers (Randoms)")
     probs = sampling_probs(stop_logits, params.temperature, params.top_p)
     if params.rule == "exact" and K > 0:
         # rejected rows draw from norm(max(p - q, 0)); rows past their drafts take the bonus

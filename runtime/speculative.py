@@ -424,7 +424,8 @@ class SpeculativeDecoder:
             leaked_rows = leaked.any(1)
             first_leak = torch.where(leaked_rows, leaked.int().argmax(1), width)
             num_drafted = torch.minimum(first_leak, num_drafted)
-        randoms = draw_randoms(len(slots), width, self.verifier.config.vocab_size, gen, dev)
+        randoms = None if self.params.is_greedy else draw_randoms(  # greedy draws nothing
+            len(slots), width, self.verifier.config.vocab_size, gen, dev)
         num_accepted, next_token = correct(
             logits, draft_tokens, draft_probs, self.params, randoms, num_drafted
         )
