@@ -377,6 +377,7 @@ def save_model(cfg: RunConfig, model: torch.nn.Module, name: str) -> Path:
     half.generation_config.eos_token_id = EOS_ID
     half.generation_config.pad_token_id = PAD_ID
     half.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only
     # legacy spellings next to transformers 5's "dtype" / "rope_parameters", for other readers
     conf = load_json(out_dir / "config.json")
     conf["torch_dtype"] = "float16"
