@@ -9,6 +9,7 @@ ratios within this run (the machines are noisy; compare ratios, not absolute tok
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ class BenchRow:
     time_share: dict = field(default_factory=dict)
     speedup_vs_baseline: float | None = None
     speedup_vs_hf_assisted: float | None = None
+    backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on)
+    speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
 
     @property
     def tokens_per_second(self) -> float:
@@ -162,8 +165,30 @@ def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list
     return rows
 
 
+def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:
+    """Set ``speedup_vs_torch`` on the ours-rows of every other backend (same variant, rule,
+    K, batch size) and return {backend: {batch_B: {config: ratio, "geomean": g}}}."""
+    ref = {(r.variant, r.rule, r.k, r.batch_size): r for r in rows
+           if r.backend == reference and r.system == "ours"}
+    out: dict = {}
+    for r in rows:
+        base = ref.get((r.variant, r.rule, r.k, r.batch_size))
+        if r.backend == reference or r.system != "ours" or base is None:
+            continue
+        r.speedup_vs_torch = r.tokens_per_second / base.tokens_per_second
+        per_batch = out.setdefault(r.backend, {}).setdefault(f"batch_{r.batch_size}", {})
+        per_batch[f"{r.variant} {r.rule} K={r.k}"] = r.speedup_vs_torch
+    for per_batch in out.values():
+        for ratios in per_batch.values():
+            spec = [v for k, v in ratios.items() if not k.startswith("baseline")]
+            if spec:
+                ratios["geomean_speculative"] = math.prod(spec) ** (1 / len(spec))
+    return out
+
+
 def summary(rows: list[BenchRow]) -> dict:
     """Best speculative config per batch size (greedy) and how it compares."""
+    rows = [r for r in rows if r.backend == rows[0].backend]  # the first backend's rows
     out = {}
     for bs in sorted({r.batch_size for r in rows}):
         spec = [r for r in rows if r.system == "ours" and r.variant != "baseline"
@@ -182,12 +207,12 @@ def summary(rows: list[BenchRow]) -> dict:
 
 
 def print_rows(rows: list[BenchRow]) -> None:
-    print(f"{'sys':4s} {'variant':9s} {'rule':6s} {'K':>2s} {'B':>3s} {'tok/s':>8s} "
+    print(f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':6s} {'K':>2s} {'B':>3s} {'tok/s':>8s} "
           f"{'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} {'analytic':>8s}")
     for r in rows:
         def fmt(v, spec):
             return format(v, spec) if v is not None else "-"
-        print(f"{r.system:4s} {r.variant:9s} {r.rule:6s} {r.k:2d} {r.batch_size:3d} "
+        print(f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:6s} {r.k:2d} {r.batch_size:3d} "
               f"{r.tokens_per_second:8.1f} {fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
               f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
               f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
@@ -203,6 +228,7 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.backend == rows[0].backend]  # plot the first backend
     bs0 = min(r.batch_size for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):

@@ -100,6 +100,9 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 
     if args.dtype != "float32":
         raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
+    if args.audit_epsilon is not None:
+        raise ValueError("--audit-epsilon (the attention causal audit) is not supported with "
+                         "--engines (ONNX Runtime); use --verifier/--draft (torch)")
     verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers)
     k = 0 if args.no_speculation else args.k
     check_engine_limits(manifest, max_batch_size, max_seq_len, k)

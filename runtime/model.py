@@ -193,17 +193,8 @@ class Block(nn.Module):
         audit: bool,
     ) -> tuple[Tensor, Tensor | None]:
         c = self.c
-        B, T, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(
-            [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
-        )
-        q = q.view(B, T, c.n_heads, c.head_dim)
-        k = k.view(B, T, c.n_kv_heads, c.head_dim)
-        v = v.view(B, T, c.n_kv_heads, c.head_dim)
-        if rope is not None:
-            cos, sin = rope
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+        B = x.shape[0]
+        q, k, v = self.project(x, rope)
         # write this step's K/V at each row's own positions, then attend over the cache
         kv_len = mask.shape[-1]
         if rows is None:  # rows are slots 0..B-1: plain slices, no gather copy
@@ -234,14 +225,38 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=c.n_heads != c.n_kv_heads
             )
+        return self.finish(x, y), leak
+
+    # project / finish are the layer's math around the cache; the ONNX export
+    # (paradraft.build.onnx) reuses them with its own cache I/O
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor] | None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, T, n_heads, head_dim], k and v [B, T, n_kv_heads, head_dim] (rotary applied)."""
+        c = self.c
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(
+            [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
+        )
+        q = q.view(B, T, c.n_heads, c.head_dim)
+        k = k.view(B, T, c.n_kv_heads, c.head_dim)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def finish(self, x: Tensor, y: Tensor) -> Tensor:
+        """Attention output y [B, n_heads, T, head_dim] → output projection, residual, MLP."""
+        B, T, _ = x.shape
         x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
         h = self.mlp_norm(x)
-        if c.is_gpt2:
+        if self.c.is_gpt2:
             h = self.proj(F.gelu(self.fc(h), approximate="tanh"))
         else:
             gate, up = self.gate_up(h).chunk(2, dim=-1)
             h = self.down(F.silu(gate) * up)
-        return x + h, leak
+        return x + h
 
 
 class Transformer(nn.Module):

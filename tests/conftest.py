@@ -64,3 +64,16 @@ def pair(tmp_path_factory):
     parallel.load_state_dict(draft.state_dict())
     pdir = save_hf(parallel, tmp_path_factory.mktemp("parallel"))
     return vdir, ddir, pdir, verifier
+
+
+@pytest.fixture(scope="session")
+def pair_engines(pair, tmp_path_factory):
+    """The ``pair`` checkpoints built into an ONNX engine dir (verifier, draft, parallel draft,
+    self-draft with 1 layer); built once per session."""
+    pytest.importorskip("onnxruntime")
+    from paradraft.build.onnx import build_engines
+
+    vdir, ddir, pdir, _ = pair
+    out = tmp_path_factory.mktemp("engines")
+    build_engines(vdir, out, ddir, pdir, self_draft_layers=1)
+    return out

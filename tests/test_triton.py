@@ -232,7 +232,7 @@ def test_hostile_input_gets_an_error_and_the_server_keeps_serving(server, case):
     srv, _ = server
     spec, message = HOSTILE[case]
     inputs = [tensor(*s) for s in spec]
-    responses, error = raw_stream(srv.grpc_url, inputs)
+    _, error = raw_stream(srv.grpc_url, inputs)
     assert error is not None, f"{case}: no error"
     assert message in str(error), f"{case}: {error}"
     ok = serve.complete(srv.grpc_url, "def ok():", 6, stream=False)

@@ -1,0 +1,71 @@
+"""``ENGINE_DIR/manifest.json``: the engine set a runtime loads, and nothing else.
+
+It names every file (graphs, tokenizer) with its sha256, says which graph plays which role,
+and records the model configs, limits, dtype, backend, rule defaults and the versions that
+built it. ``read_manifest`` refuses an engine dir whose files are missing or changed, naming
+the file, so a half-copied or edited engine never runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def package_versions(names: tuple[str, ...] = ("paradraft", "torch", "onnx", "onnxruntime",
+                                               "onnxruntime-extensions")) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def write_manifest(engine_dir: str | Path, manifest: dict) -> dict:
+    """Add the sha256 of every file the manifest names, write manifest.json, return it."""
+    engine_dir = Path(engine_dir)
+    files = set()
+    for model in manifest["models"].values():
+        files.update(g["file"] for g in model["graphs"].values())
+    if manifest.get("tokenizer"):
+        files.add(manifest["tokenizer"])
+    manifest = {"format_version": FORMAT_VERSION, **manifest,
+                "checksums": {f: sha256_file(engine_dir / f) for f in sorted(files)}}
+    (engine_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(engine_dir: str | Path, verify: bool = True) -> dict:
+    """Load manifest.json; with ``verify``, refuse missing files and checksum mismatches."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {path} (build one with `paradraft build`)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}; "
+                         f"got {manifest.get('format_version')!r}")
+    if verify:
+        for name, digest in manifest["checksums"].items():
+            f = engine_dir / name
+            if not f.is_file():
+                raise FileNotFoundError(f"engine file {f} named in {path} is missing")
+            if sha256_file(f) != digest:
+                raise ValueError(f"engine file {f} does not match its sha256 in {path} "
+                                 "(rebuild the engines)")
+    return manifest

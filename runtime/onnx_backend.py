@@ -1,0 +1,323 @@
+"""ONNX Runtime backend: the engine interface of ``Transformer`` over exported graphs.
+
+``OrtModel`` has ``.config``, ``.dtype``, ``.device`` and ``__call__`` with the signature and
+semantics of ``Transformer.forward``, reading and writing the same ``KVCache`` of torch CPU
+tensors, so ``SpeculativeDecoder`` runs on it unchanged. Every tensor crosses into ONNX
+Runtime by pointer (IO binding of the torch tensors' memory): the cache is bound as it is,
+outputs land in torch tensors allocated per call at their exact (small) size, and the only
+cache writes are this step's K/V at (rows, input_pos) — the same index_put torch does.
+
+``CausalCorrection`` (domain ``paradraft``) runs here as an onnxruntime-extensions Python op
+that calls ``correction.correct``: the one implementation of the rules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .correction import Randoms, RuleParams, correct
+from .model import KVCache, ModelConfig
+
+DOMAIN = "paradraft"  # custom-op domain = TensorRT plugin namespace
+OP_TYPE = "CausalCorrection"  # = TensorRT plugin name
+PLUGIN_VERSION = "1"
+FLOAT_PARAMS = ("temperature", "top_p", "tau", "gamma", "alpha", "epsilon", "delta")
+_NP_TYPES = {torch.float32: np.float32, torch.int64: np.int64}
+_op_registered = False
+last_op_error: str | None = None  # the CausalCorrection kernel's last failure
+
+
+def _attr_float(value: float) -> float:
+    """ONNX float attributes are float32: recover the decimal the builder wrote (0.3, not
+    0.30000001192…) so the op applies exactly the RuleParams that ``correct()`` gets."""
+    return float(str(np.float32(value)))
+
+
+def params_from_attributes(attrs: dict) -> RuleParams:
+    return RuleParams(rule=attrs["rule"], top_p_membership=bool(attrs["top_p_membership"]),
+                      **{name: _attr_float(attrs[name]) for name in FLOAT_PARAMS})
+
+
+def rule_attributes(params: RuleParams) -> dict:
+    """The CausalCorrection node attributes (= TensorRT plugin fields) for ``params``."""
+    attrs = {"rule": params.rule, "plugin_version": PLUGIN_VERSION, "plugin_namespace": DOMAIN,
+             "top_p_membership": int(params.top_p_membership)}
+    attrs.update({name: float(getattr(params, name)) for name in FLOAT_PARAMS})
+    return attrs
+
+
+def set_rule(model, params: RuleParams) -> None:
+    """Rewrite the CausalCorrection node's rule attributes in place (a ModelProto)."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+    if len(nodes) != 1:
+        raise ValueError(f"expected one {DOMAIN}::{OP_TYPE} node; found {len(nodes)}")
+    node = nodes[0]
+    del node.attribute[:]
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in
+                          sorted(rule_attributes(params).items()))
+
+
+def accepted_block(draft_tokens: Tensor, num_accepted: Tensor, next_token: Tensor) -> Tensor:
+    """[B, K+1]: the accepted drafts, then the rule's token at index num_accepted, then -1."""
+    K = draft_tokens.shape[1]
+    block = torch.cat([draft_tokens, next_token[:, None]], 1)
+    block.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return block.masked_fill(torch.arange(K + 1) > num_accepted[:, None], -1)
+
+
+def causal_correction(logits: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray,
+                      accept_uniforms: np.ndarray, sample_noise: np.ndarray,
+                      num_drafted: np.ndarray, **attrs) -> tuple[np.ndarray, ...]:
+    """The CausalCorrection kernel. Empty tensors stand for ``correct()``'s ``None``: an empty
+    ``draft_probs`` is a greedy (one-hot) draft, an empty ``num_drafted`` means every row
+    drafted all K tokens, and empty ``accept_uniforms`` / ``sample_noise`` mean no random
+    numbers (enough for ``greedy``; the sampling rules refuse it).
+
+    A Python exception escaping a PyOp aborts the whole process (onnxruntime-extensions
+    0.15), so errors are caught here: the outputs are filled with -1 and the message is kept
+    in ``last_op_error`` for the caller (``OrtModel.verify_and_correct``) to raise."""
+    global last_op_error
+    B, K = draft_tokens.shape
+    try:
+        params = params_from_attributes(attrs)
+        # the extension hands over arrays it owns (copies of ORT's inputs): wrap, don't copy
+        t = torch.from_numpy
+        drafts = t(draft_tokens)
+        probs = t(draft_probs) if draft_probs.size else None
+        drafted = t(num_drafted) if num_drafted.size else None
+        randoms = None
+        if accept_uniforms.size or sample_noise.size:
+            randoms = Randoms(t(accept_uniforms), t(sample_noise))
+        num_accepted, next_token = correct(t(logits), drafts, probs, params, randoms, drafted)
+        block = accepted_block(drafts, num_accepted, next_token)
+        last_op_error = None
+        return num_accepted.numpy(), next_token.numpy(), block.numpy()
+    except Exception as e:  # see the docstring: never let it reach C++
+        last_op_error = f"{type(e).__name__}: {e}"
+        failed = np.full(B, -1, dtype=np.int64)
+        return failed, failed.copy(), np.full((B, K + 1), -1, dtype=np.int64)
+
+
+def register_correction_op() -> str:
+    """Register CausalCorrection with onnxruntime-extensions (once); return the custom-op
+    library path to pass to ``SessionOptions.register_custom_ops_library``."""
+    global _op_registered
+    from onnxruntime_extensions import PyOp, get_library_path, onnx_op
+
+    if not _op_registered:
+        f, i64, s = PyOp.dt_float, PyOp.dt_int64, PyOp.dt_string
+        attrs = {"rule": s, "top_p_membership": i64, "plugin_version": s,
+                 "plugin_namespace": s, **dict.fromkeys(FLOAT_PARAMS, f)}
+        # "domain::op" registers the op under our own domain (not ai.onnx.contrib)
+        onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f, i64, f, f, f, i64],
+                outputs=[i64, i64, i64], attrs=attrs)(causal_correction)
+        _op_registered = True
+    return get_library_path()
+
+
+def session_options(threads: int | None = None, custom_ops: bool = False):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # match torch's thread count: the decoder's torch ops and ORT take turns on the cores
+    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    # no spin-waiting between runs: the decoder's torch ops run between ORT calls, and
+    # spinning workers took their cores (measured: 2.5x fewer speculative tok/s on 2 cores)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if custom_ops:
+        so.register_custom_ops_library(register_correction_op())
+    return so
+
+
+class Graph:
+    """One ORT session run with IO binding over torch CPU tensors."""
+
+    def __init__(self, path: str | Path | bytes, threads: int | None = None,
+                 custom_ops: bool = False):
+        import onnxruntime as ort
+
+        model = path if isinstance(path, bytes) else str(path)
+        self.session = ort.InferenceSession(model, session_options(threads, custom_ops),
+                                            providers=["CPUExecutionProvider"])
+        # one binding, rebound per call: a Graph (and so an OrtModel) serves one thread
+        self.binding = self.session.io_binding()
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Bind every tensor's memory (no copies) and run; outputs are written in place."""
+        b = self.binding
+        for name, t in inputs.items():
+            b.bind_input(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        for name, t in outputs.items():
+            b.bind_output(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(b)
+
+
+def _contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.to(dtype).contiguous()
+
+
+class OrtModel:
+    """An exported model (its step graphs by layer count) behind the Transformer interface.
+
+    graphs: {None: full step graph, N: first-N-layers graph, ...}; correction: the verifier
+    graph ending in CausalCorrection (optional). Sessions are created on first use.
+    """
+
+    def __init__(self, config: ModelConfig, graphs: dict[int | None, str | Path],
+                 correction: str | Path | None = None, threads: int | None = None):
+        self.config = config
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.graph_paths = dict(graphs)
+        self.correction_path = correction
+        self.threads = threads
+        self._graphs: dict[int | None, Graph] = {}
+        self._corrections: dict[RuleParams, Graph] = {}
+        self._arange: dict[int, Tensor] = {}
+
+    def _graph(self, num_layers: int | None) -> Graph:
+        if num_layers not in self._graphs:
+            if num_layers not in self.graph_paths:
+                built = sorted(n for n in self.graph_paths if n is not None)
+                raise ValueError(f"num_layers={num_layers}: no graph for it in this engine "
+                                 f"(self-draft graphs built for num_layers in {built}; "
+                                 "rebuild with --self-draft-layers)")
+            self._graphs[num_layers] = Graph(self.graph_paths[num_layers], self.threads)
+        return self._graphs[num_layers]
+
+    def _step_inputs(self, tokens: Tensor, input_pos: Tensor, cache: KVCache,
+                     kv_len: int | None, rows: Tensor | None, output_index: Tensor | None,
+                     n: int) -> dict[str, Tensor]:
+        B, T = tokens.shape
+        L = cache.max_seq_len
+        kv_len = L if kv_len is None else min(kv_len, L)
+        if input_pos.numel() and int(input_pos.max()) >= kv_len:
+            raise ValueError(f"kv_len must be > max(input_pos) = {int(input_pos.max())} "
+                             f"(an upper bound of the positions, <= {L}); got {kv_len}")
+        if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
+            raise ValueError(f"cache must be contiguous float32 (new_kv_cache) for the onnx "
+                             f"backend; got {cache.k[0].dtype}")
+        if rows is None:
+            rows = self._range(B)
+        if output_index is None:
+            output_index = self._range(T).expand(B, T)
+        inputs = {"tokens": _contiguous(tokens, torch.int64),
+                  "input_pos": _contiguous(input_pos, torch.int64),
+                  "rows": _contiguous(rows, torch.int64),
+                  "output_index": _contiguous(output_index, torch.int64),
+                  "kv_len": torch.tensor(kv_len)}
+        for i in range(n):
+            inputs[f"past_k_{i}"] = cache.k[i]
+            inputs[f"past_v_{i}"] = cache.v[i]
+        return inputs
+
+    def _range(self, n: int) -> Tensor:
+        if n not in self._arange:
+            self._arange[n] = torch.arange(n)
+        return self._arange[n]
+
+    def _new_kv(self, inputs: dict[str, Tensor], n: int) -> tuple[Tensor, dict[str, Tensor]]:
+        B, T = inputs["tokens"].shape
+        c = self.config
+        buf = torch.empty(2 * n, B, T, c.n_kv_heads, c.head_dim)
+        return buf, {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
+                     for j, kv in enumerate(("k", "v"))}
+
+    @staticmethod
+    def _write_back(cache: KVCache, buf: Tensor, rows: Tensor, input_pos: Tensor) -> None:
+        # the K/V this step wrote, at (row, position): exactly Transformer.forward's writes
+        index = (rows[:, None], input_pos)
+        for i in range(buf.shape[0] // 2):
+            cache.k[i].index_put_(index, buf[2 * i])
+            cache.v[i].index_put_(index, buf[2 * i + 1])
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache: KVCache,
+        kv_len: int | None = None,
+        rows: Tensor | None = None,
+        output_index: Tensor | None = None,
+        num_layers: int | None = None,
+        audit: bool = False,
+    ) -> tuple[Tensor, None]:
+        """As ``Transformer.forward``: returns (logits [B, T or T', V] fp32, None)."""
+        if audit:
+            raise ValueError("audit=True (the attention causal audit, --audit-epsilon) is not "
+                             "supported on the ONNX Runtime backend; use the torch backend")
+        c = self.config
+        n = c.n_layers if num_layers is None else min(num_layers, c.n_layers)
+        graph = self._graph(None if n == c.n_layers else n)
+        inputs = self._step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
+        B = tokens.shape[0]
+        logits = torch.empty(B, inputs["output_index"].shape[1], c.vocab_size)
+        buf, outputs = self._new_kv(inputs, n)
+        graph.run(inputs, {"logits": logits, **outputs})
+        self._write_back(cache, buf, inputs["rows"], inputs["input_pos"])
+        return logits, None
+
+    # -- the verifier + CausalCorrection graph ---------------------------------------------
+
+    def correction_graph(self, params: RuleParams) -> Graph:
+        """The correction graph with ``params`` as its node attributes (one session each)."""
+        if self.correction_path is None:
+            raise ValueError("this engine has no correction graph (only the verifier has one)")
+        if params not in self._corrections:
+            import onnx
+
+            model = onnx.load(str(self.correction_path))
+            set_rule(model, params)
+            self._corrections[params] = Graph(model.SerializeToString(), self.threads,
+                                              custom_ops=True)
+        return self._corrections[params]
+
+    def verify_and_correct(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache: KVCache,
+        params: RuleParams,
+        randoms: Randoms | None,
+        draft_probs: Tensor | None = None,
+        num_drafted: Tensor | None = None,
+        kv_len: int | None = None,
+        rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One verify pass over [newest, d_1 … d_K] that returns only (num_accepted [B],
+        next_token [B], accepted_tokens [B, K+1]) — the logits stay inside the graph."""
+        c = self.config
+        graph = self.correction_graph(params)
+        inputs = self._step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)
+        B, T = tokens.shape
+        # absent (None) optional inputs travel as empty tensors
+        empty_f, empty_i = torch.empty(B, 0, 0), torch.empty(0, dtype=torch.int64)
+        if randoms is None:  # greedy: no random numbers
+            randoms = Randoms(torch.empty(B, 0), torch.empty(B, 0))
+        inputs.update({
+            "draft_probs": empty_f if draft_probs is None else _contiguous(draft_probs,
+                                                                           torch.float32),
+            "accept_uniforms": _contiguous(randoms.accept_uniforms, torch.float32),
+            "sample_noise": _contiguous(randoms.sample_noise, torch.float32),
+            "num_drafted": empty_i if num_drafted is None else _contiguous(num_drafted,
+                                                                           torch.int64),
+        })
+        num_accepted = torch.empty(B, dtype=torch.int64)
+        next_token = torch.empty(B, dtype=torch.int64)
+        accepted = torch.empty(B, T, dtype=torch.int64)
+        buf, outputs = self._new_kv(inputs, c.n_layers)
+        graph.run(inputs, {"num_accepted": num_accepted, "next_token": next_token,
+                           "accepted_tokens": accepted, **outputs})
+        if last_op_error is not None and bool((num_accepted < 0).any()):
+            raise ValueError(f"{OP_TYPE} failed: {last_op_error}")
+        self._write_back(cache, buf, inputs["rows"], inputs["input_pos"])
+        return num_accepted, next_token, accepted

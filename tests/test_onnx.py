@@ -1,0 +1,192 @@
+"""ONNX engines: the step graph against the torch model (slot subsets, duplicate positions),
+the manifest's refusals, build-time draft checks, and the CLI build + generate --engines."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, save_hf, tiny_config, transformers
+
+from paradraft.build.onnx import build_engines
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.engines import load_engines
+from paradraft.runtime.model import load_model, new_kv_cache
+from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+
+
+@pytest.fixture(scope="module")
+def engines(pair_engines):
+    return load_engines(pair_engines)
+
+
+def test_step_graph_equals_torch_on_slot_subsets_and_duplicate_positions(pair, engines):
+    """Write-then-attend semantics: ragged prefill into slots 3 and 1, then a parallel-draft
+    style step whose clamped positions repeat 0, then a rolled-back step that overwrites."""
+    torch_model, engine = load_model(pair[0]), engines[0]
+    caches = [new_kv_cache(torch_model.config, 4, 24, torch.float32) for _ in range(2)]
+    rows = torch.tensor([3, 1])
+    g = torch.Generator().manual_seed(0)
+    steps = [  # (tokens, positions, kv_len)
+        (torch.randint(0, VOCAB, (2, 5), generator=g), torch.arange(5).expand(2, -1), 5),
+        (torch.tensor([[7, 7, 7, 9], [5, 6, 2, 2]]), torch.tensor([[0, 0, 0, 1], [4, 5, 6, 7]]),
+         10),
+        (torch.randint(0, VOCAB, (2, 3), generator=g), torch.tensor([[1, 2, 3], [5, 6, 7]]), 10),
+    ]
+    for tokens, pos, kv_len in steps:
+        outs = [m(tokens, pos, cache, kv_len=kv_len, rows=rows)[0]
+                for m, cache in zip((torch_model, engine), caches, strict=True)]
+        assert (outs[0] - outs[1]).abs().max() < 1e-4
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+        assert (a - b).abs().max() < 1e-5
+    # output_index and the self-draft graph (first layer only)
+    tokens, pos = torch.tensor([[3, 4], [5, 6]]), torch.tensor([[4, 5], [8, 9]])
+    idx = torch.tensor([[1], [0]])
+    outs = [m(tokens, pos, cache, kv_len=12, rows=rows, output_index=idx, num_layers=1)[0]
+            for m, cache in zip((torch_model, engine), caches, strict=True)]
+    assert outs[1].shape == (2, 1, VOCAB) and (outs[0] - outs[1]).abs().max() < 1e-4
+
+
+def test_engine_errors_name_the_parameter(engines):
+    engine = engines[0]
+    cache = new_kv_cache(engine.config, 1, 8, torch.float32)
+    tokens, pos = torch.tensor([[1, 2]]), torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="audit=True"):
+        engine(tokens, pos, cache, audit=True)
+    with pytest.raises(ValueError, match=r"kv_len must be > max\(input_pos\) = 1"):
+        engine(tokens, pos, cache, kv_len=1)
+    with pytest.raises(ValueError, match="num_layers=2: no graph"):
+        engine(tokens, pos, cache, num_layers=2)
+    # the correction op: a sampling rule without random numbers is refused by correct()
+    step = torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])
+    with pytest.raises(ValueError, match=r"CausalCorrection failed: .*needs random numbers"):
+        engine.verify_and_correct(*step, cache, RuleParams("threshold"), None)
+    dec = SpeculativeDecoder(engine, None, RuleParams("greedy"), audit_epsilon=0.1,
+                             max_batch_size=1)
+    with pytest.raises(ValueError, match="not supported on the ONNX Runtime backend"):
+        dec.generate([[1, 2]], 3)
+
+
+def test_manifest_records_the_engine_set(pair_engines):
+    m = json.loads((pair_engines / "manifest.json").read_text())
+    assert m["backend"] == "onnx" and m["dtype"] == "float32" and m["opset"] >= 17
+    assert m["vocab_size"] == VOCAB
+    assert set(m["drafters"]) == {"model", "parallel", "self"}
+    v = m["models"]["verifier"]["graphs"]
+    assert set(v) == {"logits", "correction", "self_draft"} and v["self_draft"]["num_layers"] == 1
+    assert set(m["checksums"]) == {"verifier.onnx", "verifier_correction.onnx",
+                                   "verifier_self1.onnx", "draft.onnx", "parallel_draft.onnx"}
+    assert {"paradraft", "torch", "onnx", "onnxruntime"} <= set(m["versions"])
+    op = m["custom_ops"]["CausalCorrection"]
+    assert op == {"domain": "paradraft", "plugin_version": "1", "plugin_namespace": "paradraft"}
+    import onnx
+
+    graph = onnx.load(str(pair_engines / "verifier_correction.onnx")).graph
+    node = next(n for n in graph.node if n.op_type == "CausalCorrection")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.domain == "paradraft" and attrs["plugin_version"] == b"1"
+    assert attrs["plugin_namespace"] == b"paradraft" and attrs["rule"] == b"greedy"
+    assert [o.name for o in graph.output][:3] == ["num_accepted", "next_token", "accepted_tokens"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "changed"])
+def test_manifest_refuses_missing_or_changed_files(pair_engines, tmp_path, damage):
+    engine_dir = tmp_path / "engines"
+    shutil.copytree(pair_engines, engine_dir)
+    victim = engine_dir / "draft.onnx"
+    if damage == "missing":
+        victim.unlink()
+        with pytest.raises(FileNotFoundError, match=r"draft\.onnx .*is missing"):
+            load_engines(engine_dir)
+    else:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 1
+        victim.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match=r"draft\.onnx does not match its sha256"):
+            load_engines(engine_dir)
+
+
+def test_build_refuses_a_draft_with_another_vocabulary(pair, tmp_path):
+    torch.manual_seed(0)
+    other = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab=67))
+    ddir = save_hf(other, tmp_path / "draft67")
+    with pytest.raises(ValueError, match=r"vocab_size 67 differs from the verifier's 61"):
+        build_engines(pair[0], tmp_path / "out", ddir)
+
+
+def test_build_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    dirs = []
+    for name, words in [("verifier", ["a", "b"]), ("draft", ["a", "c"])]:
+        d = tmp_path / name
+        shutil.copytree(pair[0 if name == "verifier" else 1], d)
+        vocab = {w: i for i, w in enumerate(["<unk>", *words])}
+        Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(d / "tokenizer.json"))
+        dirs.append(d)
+    with pytest.raises(ValueError, match=r"draft .*tokenizer.json model.vocab differs"):
+        build_engines(dirs[0], tmp_path / "out", dirs[1])
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paradraft.runtime.cli", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
+    vdir, ddir, pdir, _ = pair
+    out = tmp_path / "engines"
+    r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--parallel-draft", pdir,
+                "--backend", "onnx", "--out", str(out), "--rule", "dynamic", "--tau", "0.25")
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["rule_defaults"]["rule"] == "dynamic"
+    assert manifest["rule_defaults"]["tau"] == 0.25
+    common = ["generate", "--prompt-ids", "4,8,15,16", "--max-new-tokens", "14", "--k", "3",
+              "--rule", "greedy", "--json", "--ignore-eos", "--drafter", "parallel"]
+    r = run_cli(*common, "--engines", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    # the torch path, in process (same decoder code, torch models)
+    dec = SpeculativeDecoder(load_model(vdir), Drafter("parallel", load_model(pdir)),
+                             RuleParams("greedy"), k=3, max_batch_size=1)
+    want = dec.generate([[4, 8, 15, 16]], 14)
+    assert got["token_ids"] == want.token_ids[0] and len(got["token_ids"]) == 14
+    assert got["stats"]["accepted_tokens"] == want.stats.accepted_tokens
+    # limits from the manifest are enforced with a clear message
+    r = run_cli(*common, "--engines", str(out), "--k", "9")
+    assert r.returncode == 2 and "k must be <= 8 (the engines' max_k); got 9" in r.stderr
+
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+@pytest.mark.skipif(not (DEMO / "parallel_draft" / "config.json").is_file(),
+                    reason="demo models not present")
+def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
+    r = run_cli("bench", "--backends", "torch,onnx", "--prompts", "1", "--max-new-tokens", "6",
+                "--ks", "2", "--batch-sizes", "1", "--drafters", "model,self", "--no-hf",
+                "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    backends = {(row["backend"], row["variant"]) for row in data["rows"]}
+    assert {("torch", "model"), ("onnx", "model"), ("onnx", "self")} <= backends
+    onnx_rows = [row for row in data["rows"] if row["backend"] == "onnx"]
+    assert all(row["speedup_vs_torch"] > 0 for row in onnx_rows)
+    assert "geomean_speculative" in data["meta"]["vs_torch"]["onnx"]["batch_1"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_export_matches_torch_for_every_family(hf_models, family, tmp_path):
+    from paradraft.build.onnx import check_graph, export_step
+
+    model = load_model(hf_models[family][1])
+    path = export_step(model, tmp_path / f"{family}.onnx")
+    assert check_graph(model, path) < 1e-4
+    path = export_step(model, tmp_path / f"{family}_self1.onnx", num_layers=1)
+    assert check_graph(model, path, num_layers=1) < 1e-4
