@@ -24,10 +24,15 @@ $(TRITON): | $(STAMP)
 
 serve-deps: $(TRITON)
 
-# The main job on the CPU: start Triton with the demo pair, stream one completion over gRPC,
-# print the stats, stop the server.
-demo: $(STAMP) $(TRITON)
-	$(BIN)/paradraft demo --prompt "def fibonacci(n):" --max-tokens 64
+# The main job on the CPU: build the demo ONNX engines, start Triton with them, stream one
+# completion over gRPC, print the stats, stop the server.
+ENGINES := engines/demo
+
+$(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors)
+	$(BIN)/paradraft build --backend onnx --out $(ENGINES)
+
+demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
+	$(BIN)/paradraft demo --engines $(ENGINES) --prompt "def fibonacci(n):" --max-tokens 64
 
 test: $(STAMP) $(TRITON)
 	$(BIN)/ruff check .

@@ -337,7 +337,9 @@ def serve_config(args: argparse.Namespace):
     from .serve import ServeConfig
 
     verifier = args.verifier
-    eos = load_model_config_eos(verifier) if not args.engines else None
+    eos = load_model_config_eos(verifier) if not args.engines else json.loads(
+        (Path(args.engines) / "manifest.json").read_text())["models"]["verifier"]["config"][
+        "eos_token_id"]
     draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
                                           else "draft"))
     return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
