@@ -127,6 +127,8 @@ def acceptance_mask(
     if params.rule == "greedy":
         return logits.argmax(-1) == draft_tokens
     if params.rule == "exact":
+        if accept_uniforms is None:
+            raise ValueError("rule 'exact' samples: it needs random numbers (Randoms)")
         p_draft = sampling_probs(logits, params.temperature, params.top_p).gather(-1, d)[..., 0]
         q_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, d)[..., 0]
         # accept with probability min(1, p/q), written without a division

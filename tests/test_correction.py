@@ -186,3 +186,10 @@ def test_rules_are_vectorised_over_batch_and_positions():
             one = Randoms(rnd.accept_uniforms[b:b + 1], rnd.sample_noise[b:b + 1])
             nb, tb = correct(logits[b:b + 1], drafts[b:b + 1], q[b:b + 1], params, one)
             assert (int(nb), int(tb)) == (int(n[b]), int(t[b])), rule
+
+
+def test_sampling_rules_refuse_missing_random_numbers():
+    for rule in ("exact", "threshold"):
+        with pytest.raises(ValueError, match="needs random numbers"):
+            correct(LOGITS, DRAFT, None, RuleParams(rule), None)
+    assert run("greedy") == (0, 0)  # greedy draws nothing
