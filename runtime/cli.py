@@ -311,7 +311,7 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
         params = RuleParams(**kw)
         label = " ".join(f"{k}={v}" for k, v in kw.items())
         rows.append(measure(verifier, drafter, params, args.k, label=label, **common))
-    compare([baseline, *rows], baseline.tokens_per_second, args.budget)
+    compare([baseline, *rows], rows[0], baseline.tokens_per_second, args.budget)
     print_table([baseline, *rows], f"quality vs exact (budget +{args.budget:.0%} perplexity)")
     result = {"baseline": asdict(baseline), "rows": [asdict(r) for r in rows],
               "budget": args.budget}

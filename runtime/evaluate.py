@@ -119,9 +119,10 @@ def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, 
     )
 
 
-def compare(rows: list[QualityRow], baseline_tps: float, budget: float) -> None:
-    """Fill speed-up and the perplexity change against the (first) exact row."""
-    exact = next(r for r in rows if r.rule == "exact")
+def compare(rows: list[QualityRow], exact: QualityRow, baseline_tps: float,
+            budget: float) -> None:
+    """Fill speed-up (vs plain decoding) and the perplexity change against ``exact``
+    (lossless speculative sampling)."""
     for r in rows:
         r.speedup = r.tokens_per_second / baseline_tps if baseline_tps else 0.0
         r.ppl_change_vs_exact = r.perplexity / exact.perplexity - 1.0

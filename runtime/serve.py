@@ -208,7 +208,8 @@ def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Pat
         "max_input_tokens": str(config.max_input_tokens),
         "site_packages": site_packages(),
         "preprocessing_instances": "2",
-        "postprocessing_instances": "2",
+        # one instance: responses of a stream must leave postprocessing in the order they came
+        "postprocessing_instances": "1",
         "model_config": str(repo / "paradraft" / "paradraft.json"),
     }
     for name in MODELS:

@@ -38,7 +38,8 @@ def test_continuation_logprobs_match_a_manual_softmax(pair):
     from paradraft.runtime.model import new_kv_cache
 
     cache = new_kv_cache(model.config, 1, 8, torch.float32)
-    logits, _ = model(torch.tensor([prompt + cont]), torch.arange(5)[None], cache)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt + cont]), torch.arange(5)[None], cache)
     p = torch.softmax(logits[0], -1)
     want = [math.log(p[2, 11]), math.log(p[3, 13])]
     assert got == pytest.approx(want, abs=1e-5)
