@@ -564,23 +564,13 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--seed", type=int, default=None)
     q.add_argument("--num-draft-tokens", type=int, default=None)
     args = parser.parse_args(argv)
+    commands = {
+        "generate": cmd_generate, "build": cmd_build, "bench": cmd_bench,
+        "eval": cmd_eval, "tune": lambda a: cmd_eval(a, tune=True), "serve": cmd_serve,
+        "query": cmd_query, "demo": cmd_demo, "loadtest": cmd_loadtest,
+    }
     try:
-        if args.command == "generate":
-            cmd_generate(args)
-        elif args.command == "build":
-            cmd_build(args)
-        elif args.command == "bench":
-            cmd_bench(args)
-        elif args.command in ("eval", "tune"):
-            cmd_eval(args, tune=args.command == "tune")
-        elif args.command == "serve":
-            cmd_serve(args)
-        elif args.command == "query":
-            cmd_query(args)
-        elif args.command == "demo":
-            cmd_demo(args)
-        elif args.command == "loadtest":
-            cmd_loadtest(args)
+        commands[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         parser.exit(2, f"paradraft: error: {e}\n")
 
