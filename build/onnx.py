@@ -87,12 +87,7 @@ class OnnxStep(nn.Module):
                 kv_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         m = self.model
         B = tokens.shape[0]
-        x = m.embed(tokens)
-        rope = None
-        if m.pos_embed is not None:
-            x = x + m.pos_embed(input_pos)
-        else:
-            rope = m.rope(input_pos, x.dtype)
+        x, rope = m.embed_at(tokens, input_pos)
         key_pos = torch.arange(kv_len)
         mask = key_pos[None, None, :] <= input_pos[:, :, None]  # [B, T, kv_len]
         cache_len = past[0].shape[1]

@@ -279,6 +279,15 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def embed_at(self, tokens: Tensor, input_pos: Tensor
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """Token embeddings at their positions: GPT-2 adds learned position embeddings, the
+        Llama family returns the rotary (cos, sin) for the attention layers instead."""
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            return x + self.pos_embed(input_pos), None
+        return x, self.rope(input_pos, x.dtype)
+
     def rope(self, input_pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         c = self.config
         # computed in fp32 every call (tiny) so a half-precision model keeps exact angles
@@ -311,12 +320,7 @@ class Transformer(nn.Module):
         """
         kv_len = cache.max_seq_len if kv_len is None else min(kv_len, cache.max_seq_len)
         mask = attention_mask(input_pos, kv_len)
-        x = self.embed(tokens)
-        rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(input_pos)
-        else:
-            rope = self.rope(input_pos, x.dtype)
+        x, rope = self.embed_at(tokens, input_pos)
         leak = None
         for i, layer in enumerate(self.layers[:num_layers]):
             x, layer_leak = layer(x, rope, mask, rows, input_pos, cache.k[i], cache.v[i], audit)

@@ -50,6 +50,20 @@ class ServeConfig:
     eos_token_id: int | None = None
     rule_defaults: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
+                          ("max_input_tokens", 1)]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        if self.max_input_tokens >= self.max_seq_len:
+            raise ValueError(f"max_input_tokens must be in [1, {self.max_seq_len - 1}] "
+                             f"(below max_seq_len); got {self.max_input_tokens}")
+        if self.drafter not in ("model", "parallel", "self"):
+            raise ValueError(f"drafter must be one of model, parallel, self; "
+                             f"got {self.drafter!r}")
+        default_params(self)  # rule, temperature, top_p and rule defaults, validated
+
 
 def build_scheduler(config: ServeConfig):
     """The decoder behind the server: in-flight batching over ``max_slots`` cache slots."""

@@ -87,3 +87,15 @@ def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
         assert second[2]["error"] is None and len(second[0]) == 4
     finally:
         sched.stop()
+
+
+def test_serve_config_validates_its_limits():
+    from paradraft.runtime.serve import ServeConfig
+
+    for kw, message in [(dict(max_slots=0), r"max_slots must be an integer >= 1"),
+                        (dict(max_queue=-1), r"max_queue must be an integer >= 0"),
+                        (dict(max_input_tokens=600), r"max_input_tokens must be in \[1, 511\]"),
+                        (dict(rule="best"), "rule must be one of"),
+                        (dict(top_p=0.0), r"top_p must be in \(0, 1\]")]:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig("verifier", "draft", **kw)
