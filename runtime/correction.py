@@ -146,7 +146,9 @@ def acceptance_mask(
     if params.rule == "threshold":
         return p_draft > params.tau
     probs = (x - lse[..., None]).exp()
-    h = lse - (probs * x).sum(-1)  # entropy: −Σ p log p = lse − Σ p x
+    # entropy −Σ p log p = lse − Σ p x; tokens with p = 0 (x = −inf, e.g. a masked vocab)
+    # contribute 0, not 0·(−inf) = NaN
+    h = lse - torch.where(probs > 0, probs * x, 0.0).sum(-1)
     if params.rule == "dynamic":
         accept = p_draft > params.tau * (1.0 + params.alpha * h)
         if params.top_p_membership:

@@ -68,7 +68,7 @@ def accepted_block(draft_tokens: Tensor, num_accepted: Tensor, next_token: Tenso
     K = draft_tokens.shape[1]
     block = torch.cat([draft_tokens, next_token[:, None]], 1)
     block.scatter_(1, num_accepted[:, None], next_token[:, None])
-    return block.masked_fill(torch.arange(K + 1) > num_accepted[:, None], -1)
+    return block.masked_fill(torch.arange(K + 1, device=block.device) > num_accepted[:, None], -1)
 
 
 def causal_correction(logits: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray,

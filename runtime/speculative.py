@@ -26,11 +26,11 @@ from .correction import (
     MAX_K,
     RuleParams,
     check_k,
-    correct,
     draw_randoms,
     sample,
     sampling_probs,
 )
+from .correction_kernel import correct_for
 from .model import KVCache, Transformer, new_kv_cache
 
 DRAFTERS = ("model", "parallel", "self")
@@ -355,7 +355,8 @@ class SpeculativeDecoder:
                                output_index=last)
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         vocab = self.verifier.config.vocab_size
-        _, first = correct(logits, empty, None, self.params, draw_randoms(B, 0, vocab, gen, dev))
+        _, first = correct_for(dev)(logits, empty, None, self.params,
+                                    draw_randoms(B, 0, vocab, gen, dev))
         self.tokens[rows, prompt_lens] = first
         out = self._emit(rows, first[:, None], torch.zeros_like(first))
         self.times[3, slots] += time.perf_counter() - t0
@@ -390,9 +391,10 @@ class SpeculativeDecoder:
         Returns, per slot, the tokens it gained and whether it is still running."""
         t_start = time.perf_counter()
         dev = self.device
-        all_rows = len(slots) == self.max_batch_size and slots == list(range(len(slots)))
         rows = torch.tensor(slots, device=dev)
-        cache_rows = None if all_rows else rows  # plain slices when every slot runs
+        # slots 0..B-1 (the scheduler hands out the lowest free slot, so a steady batch is a
+        # prefix of the pool): plain cache slices, no per-layer gather copy
+        cache_rows = None if slots == list(range(len(slots))) else rows
         lengths = self.lengths[rows]
         k_max = self.k
         # the round drafts the largest K of its rows; each row stops at its own K
@@ -426,7 +428,7 @@ class SpeculativeDecoder:
             num_drafted = torch.minimum(first_leak, num_drafted)
         randoms = None if self.params.is_greedy else draw_randoms(  # greedy draws nothing
             len(slots), width, self.verifier.config.vocab_size, gen, dev)
-        num_accepted, next_token = correct(
+        num_accepted, next_token = correct_for(dev)(
             logits, draft_tokens, draft_probs, self.params, randoms, num_drafted
         )
         # emitted block: accepted drafts, then the rule's token at index num_accepted

@@ -78,6 +78,16 @@ def test_dynamic_rule_entropy_threshold_and_top_p_membership():
     assert run("dynamic", tau=0.0, alpha=0.0, top_p=0.8, top_p_membership=True)[0] == 2
 
 
+def test_entropy_rules_ignore_masked_tokens():
+    # a token with p = 0 (logit −inf, as a masked vocabulary gives) adds nothing to the
+    # entropy: the rules decide exactly as without it (0·(−inf) must not turn into NaN)
+    padded = torch.cat([LOGITS, torch.full((1, 3, 1), float("-inf"))], -1)
+    for rule, kw in [("dynamic", {"tau": 0.2, "alpha": 0.3}),
+                     ("typical", {"epsilon": 0.28, "delta": 0.9})]:
+        n, _ = correct(padded, DRAFT, None, RuleParams(rule=rule, **kw), randoms(1, 2, 5))
+        assert int(n) == run(rule, **kw)[0] > 0
+
+
 def test_typical_rule():
     # threshold_i = min(ε, δ·exp(−H_i))
     eps, delta = 0.28, 0.9
