@@ -125,7 +125,18 @@ def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int) -
 
 
 def cmd_build(args: argparse.Namespace) -> None:
-    from paradraft.build.onnx import build_engines
+    if args.backend == "trtllm":
+        from paradraft.build.trtllm import cmd_build_trtllm
+
+        return cmd_build_trtllm(args)
+    if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
+        from paradraft.build.tensorrt import build_engines
+
+        options = {"precision": args.precision}
+    else:
+        from paradraft.build.onnx import build_engines
+
+        options = {}
 
     verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
     if verifier is None:  # no model arguments: the shipped demo set
@@ -135,7 +146,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     manifest = build_engines(
         verifier, args.out, draft, parallel, self_draft_layers=args.self_draft_layers,
         rule_defaults=rule_params(args), max_batch_size=args.max_batch_size, max_k=args.max_k,
-        max_seq_len=args.max_seq_len, dtype=args.dtype)
+        max_seq_len=args.max_seq_len, dtype=args.dtype, **options)
     print(f"wrote {Path(args.out) / 'manifest.json'} ({args.backend}): "
           f"{', '.join(manifest['checksums'])}")
 
@@ -499,12 +510,14 @@ def main(argv: list[str] | None = None) -> None:
     bd.add_argument("--parallel-draft", default=None, help="HF-format dir (PARD-style draft)")
     bd.add_argument("--self-draft-layers", type=int, default=None,
                     help="verifier layers of the self-draft graph (default: config or 1)")
-    bd.add_argument("--backend", choices=["onnx"], default="onnx")
+    bd.add_argument("--backend", choices=["onnx", "tensorrt", "trtllm"], default="onnx")
     bd.add_argument("--out", default="engines", help="engine dir to write")
     bd.add_argument("--max-batch-size", type=int, default=8)
     bd.add_argument("--max-k", type=int, default=8)
     bd.add_argument("--max-seq-len", type=int, default=512)
     bd.add_argument("--dtype", choices=["float32"], default="float32")
+    bd.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                    help="math inside the TensorRT plans (--backend tensorrt; I/O stays fp32)")
     add_rule_args(bd)  # the rule defaults the correction graph carries
     for name, helptext in [("eval", "perplexity / diversity per rule vs exact"),
                            ("tune", "sweep a rule's parameters: speed/quality frontier")]:

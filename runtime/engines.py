@@ -18,12 +18,16 @@ def load_engines(
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    if manifest["backend"] != "onnx":
+    if manifest["backend"] not in ("onnx", "tensorrt"):
         raise ValueError(f"{engine_dir}: backend {manifest['backend']!r} is not supported by "
-                         "this runtime; supported: onnx")
+                         "this runtime; supported: onnx, tensorrt")
     from .onnx_backend import OrtModel
 
     def engine(name: str) -> OrtModel:
+        if manifest["backend"] == "tensorrt":  # plans next to the ONNX graphs, on the GPU
+            from .trt_backend import load_trt_model
+
+            return load_trt_model(engine_dir, manifest, name)
         m = manifest["models"][name]
         graphs = {None: engine_dir / m["graphs"]["logits"]["file"]}
         if "self_draft" in m["graphs"]:

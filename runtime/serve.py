@@ -74,7 +74,11 @@ def build_scheduler(config: ServeConfig):
     if config.engines:
         from .engines import load_engines
 
-        verifier, drafters, _, _ = load_engines(config.engines)
+        verifier, drafters, _, manifest = load_engines(config.engines)
+        if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
+            from .trt_backend import check_limits
+
+            check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
     else:
         verifier = load_model(config.verifier)

@@ -7,6 +7,8 @@ CausalCorrection op — give exactly what ``correction.correct()`` gives for eve
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -21,11 +23,11 @@ MAX_NEW = [24, 9, 17]  # rows finish at different rounds: later rounds run on sl
 K = 4
 
 
-def torch_models(pair) -> tuple:
+def torch_models(pair, device="cpu") -> tuple:
     vdir, ddir, pdir, _ = pair
-    verifier = load_model(vdir)
-    drafters = {"model": Drafter("model", load_model(ddir)),
-                "parallel": Drafter("parallel", load_model(pdir)),
+    verifier = load_model(vdir, device=device)
+    drafters = {"model": Drafter("model", load_model(ddir, device=device)),
+                "parallel": Drafter("parallel", load_model(pdir, device=device)),
                 "self": Drafter("self", verifier, num_layers=1)}
     return verifier, drafters
 
@@ -33,6 +35,17 @@ def torch_models(pair) -> tuple:
 @pytest.fixture(scope="module")
 def reference(pair):
     return torch_models(pair)
+
+
+@pytest.fixture(scope="module")
+def pair_trt_engines(pair_engines, tmp_path_factory):
+    """The ``pair`` ONNX engine dir, copied and built into TensorRT plans (GPU only)."""
+    from paradraft.build.tensorrt import build_plans
+
+    out = tmp_path_factory.mktemp("trt") / "engines"
+    shutil.copytree(pair_engines, out)
+    build_plans(out)
+    return out
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -50,8 +63,14 @@ def backend(request, pair):
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        pytest.skip("TensorRT not installed")
-    pytest.skip("TensorRT engines are not built by this project yet")
+        pytest.skip("TensorRT not installed (the tensorrt backend needs tensorrt>=10.9 and an "
+                    "NVIDIA GPU)")
+    if not torch.cuda.is_available():
+        pytest.skip("the tensorrt backend needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from paradraft.runtime.engines import load_engines
+
+    verifier, drafters, _, _ = load_engines(request.getfixturevalue("pair_trt_engines"))
+    return name, verifier, drafters
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +96,11 @@ def test_greedy_tokens_and_acceptance_equal_torch(backend, reference, truth, dra
     assert 0 < got.stats.accepted_tokens < got.stats.draft_tokens  # partly accepted blocks
 
 
-def test_sampled_tokens_equal_torch(backend, reference):
+def test_sampled_tokens_equal_torch(backend, reference, pair):
     """The exact rule with sampled drafts: same seed, same randoms, same tokens."""
     _, verifier, drafters = backend
+    if verifier.device.type != "cpu":  # same randoms: a torch reference on the same device
+        reference = torch_models(pair, verifier.device)
     params = RuleParams("exact", temperature=0.9, top_p=0.95)
     out = []
     for v, d in [reference, (verifier, drafters)]:
@@ -104,14 +125,14 @@ def test_forced_rejections_roll_back(backend, truth, drafter, monkeypatch):
 
     def planted(tokens, lengths, k, bound, gen, rows=None):
         real_draft(tokens, lengths, k, bound, gen, rows)
-        slots = torch.arange(3) if rows is None else rows
-        done = (lengths - prompt_lens[slots]).tolist()  # index of the newest generated token
+        slots = torch.arange(3) if rows is None else rows.cpu()
+        done = (lengths.cpu() - prompt_lens[slots]).tolist()  # index of the newest generated
         drafts = torch.tensor([truth[s][g + 1: g + 1 + k]
                                for s, g in zip(slots.tolist(), done, strict=True)])
         j = wrong_at[slots, None]
         wrong = (drafts + 1) % verifier.config.vocab_size
         drafts = torch.where(torch.arange(k) == j, wrong, drafts)
-        return drafts, None
+        return drafts.to(lengths.device), None
 
     monkeypatch.setattr(dec, "_draft", planted)
     result = dec.generate(PROMPTS, MAX_NEW)
@@ -134,16 +155,16 @@ def test_correction_op_equals_correct(backend, truth, rule, with_probs, with_num
     name, verifier, _ = backend
     if name == "torch":
         pytest.skip("the torch backend calls correct() itself")
-    c = verifier.config
+    c, dev = verifier.config, verifier.device
     # tau / epsilon / delta are not float32-exact: the op must still use these decimals
     params = RuleParams(rule, temperature=0.8, top_p=0.9, tau=0.3, gamma=0.7, alpha=0.1,
                         top_p_membership=rule == "dynamic", epsilon=0.09, delta=0.3)
     g = torch.Generator().manual_seed(RULES.index(rule) * 4 + 2 * with_probs + with_num_drafted)
-    B, slots = 3, torch.tensor([2, 0, 3])
-    prompts = torch.tensor([t[:6] for t in truth])
-    caches = [new_kv_cache(c, 4, 32, torch.float32) for _ in range(2)]
+    B, slots = 3, torch.tensor([2, 0, 3], device=dev)
+    prompts = torch.tensor([t[:6] for t in truth], device=dev)
+    caches = [new_kv_cache(c, 4, 32, torch.float32, dev) for _ in range(2)]
     for cache in caches:
-        verifier(prompts, torch.arange(6).expand(B, -1), cache, kv_len=6, rows=slots)
+        verifier(prompts, torch.arange(6, device=dev).expand(B, -1), cache, kv_len=6, rows=slots)
     # drafts: the true continuation with ~1/3 of the tokens replaced
     drafts = torch.tensor([t[7: 7 + K] for t in truth])
     noise = torch.randint(0, c.vocab_size, drafts.shape, generator=g)
@@ -155,6 +176,13 @@ def test_correction_op_equals_correct(backend, truth, rule, with_probs, with_num
     if with_probs:
         draft_probs = sampling_probs(torch.randn(B, K, c.vocab_size, generator=g) * 3, 1.0, 1.0)
     num_drafted = torch.tensor([4, 1, 3]) if with_num_drafted else None
+    # drawn on the CPU (same numbers for every backend), then onto the engine's device
+    drafts, tokens, pos = drafts.to(dev), tokens.to(dev), pos.to(dev)
+    if randoms is not None:
+        randoms.accept_uniforms = randoms.accept_uniforms.to(dev)
+        randoms.sample_noise = randoms.sample_noise.to(dev)
+    draft_probs = None if draft_probs is None else draft_probs.to(dev)
+    num_drafted = None if num_drafted is None else num_drafted.to(dev)
 
     logits, _ = verifier(tokens, pos, caches[0], kv_len=12, rows=slots)
     want_n, want_next = correct(logits, drafts, draft_probs, params, randoms, num_drafted)
