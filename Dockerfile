@@ -1,9 +1,55 @@
-# CPU image of the runtime (the GPU image, FROM an NGC tritonserver TensorRT-LLM tag, comes
-# with the GPU issue). Not built on the development machines: they have no Docker engine.
-FROM python:3.11-slim
+# GPU image: Triton Inference Server + TensorRT-LLM from NGC, with paradraft on top.
+# 25.12 is the newest tag NVIDIA's Triton compatibility matrix lists with its versions:
+# TensorRT 10.13.3.9, TensorRT-LLM 1.1.0, torch 2.9.0a0 (NVIDIA build), Python 3.12.3, CUDA 13.0
+# (driver >= 580, or a data-center compatibility driver). Engines built in this image only run
+# with this image's TensorRT / TensorRT-LLM: build them inside it (docs/gpu.md).
+# The CPU image of the runtime is Dockerfile.cpu.
+FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3
+
+# TensorRT-LLM's convert_checkpoint.py scripts and its Triton model templates
+# (triton_backend/all_models/inflight_batcher_llm) are not in the image; take them from the
+# release the image carries, so the stock model.py files match its backend.
+ARG TRTLLM_REF=v1.1.0
+RUN (command -v git >/dev/null || (apt-get update && apt-get install -y --no-install-recommends git \
+        && rm -rf /var/lib/apt/lists/*)) \
+    && git clone --depth 1 --branch "${TRTLLM_REF}" --filter=blob:none --sparse \
+        https://github.com/NVIDIA/TensorRT-LLM.git /opt/tensorrt_llm_src \
+    && git -C /opt/tensorrt_llm_src sparse-checkout set examples/models/core \
+        triton_backend/all_models
+
 WORKDIR /opt/paradraft
-COPY . .
-RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu \
-        torch==2.13.0 && pip install --no-cache-dir -e .
-ENTRYPOINT ["paradraft"]
-CMD ["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "64"]
+# Only what the package needs (there is no .dockerignore: a plain `COPY . .` would also copy a
+# local .venv and engine dirs).
+COPY pyproject.toml README.md ./
+COPY paradraft paradraft
+COPY build build
+COPY runtime runtime
+COPY triton_repo triton_repo
+COPY models/demo models/demo
+COPY scripts scripts
+COPY tests tests
+
+# pyproject pins torch==2.13.0 and numpy==1.26.4 for the CPU development machines (the CPU
+# torch wheel; numpy < 2 for the tritonserver 2.51 stub bundled with nvidia-pytriton). Here the
+# image's own stack must win: its torch is an NVIDIA CUDA build that tensorrt_llm is compiled
+# against, and its Python backend stub matches its numpy. So: a venv that sees the image's
+# packages (--system-site-packages), our dependencies by name only, constrained to every
+# version the image already has (`pip list` of the image), then paradraft itself with
+# --no-deps. Nothing the image ships is replaced; image-freeze.txt records what was resolved.
+# Editable install: the demo models are found next to the sources (models/demo).
+RUN python3 -m venv --system-site-packages /opt/venv \
+    && /opt/venv/bin/pip list --format=freeze > image-constraints.txt \
+    && /opt/venv/bin/python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(re.sub(r'[=<>!~;].*', '', d) for d in deps))" > deps.txt \
+    && /opt/venv/bin/pip install --no-cache-dir -c image-constraints.txt -r deps.txt \
+    && /opt/venv/bin/pip install --no-cache-dir --no-deps -e . \
+    && /opt/venv/bin/pip freeze > image-freeze.txt
+
+ENV PATH=/opt/venv/bin:${PATH} \
+    PARADRAFT_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
+    PARADRAFT_TRTLLM_SRC=/opt/tensorrt_llm_src
+
+# HTTP, gRPC, metrics
+EXPOSE 8000 8001 8002
+# Serve an engine dir mounted at /engines (`paradraft build --out /engines ...`). The
+# TensorRT-LLM deployment (`--backend trtllm`) is served by its generated serve_trtllm.sh.
+CMD ["paradraft", "serve", "--engines", "/engines", "--host", "0.0.0.0"]

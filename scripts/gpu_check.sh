@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The GPU checks, on a host (or in the Dockerfile's image) with an NVIDIA GPU:
+#   nvidia-smi; the GPU correction kernel's tests on the GPU (TRITON_INTERPRET unset); TensorRT
+#   engines for the demo pair; the backend conformance suite; a Triton serve + query + loadtest
+#   smoke on those engines; the TensorRT-LLM build when tensorrt_llm is importable.
+# Every step runs (a failure does not stop the rest), is timed, and logs to $OUT/<step>.log;
+# one summary table at the end; the exit status is 1 when any step failed.
+# Usage: scripts/gpu_check.sh [OUT_DIR]     (default out/gpu_check)
+# Env: PARADRAFT, PYTHON (default .venv/bin/* when present, else from PATH),
+#      GRPC_PORT / HTTP_PORT / METRICS_PORT (default 18001 / 18000 / 18002),
+#      READY_TIMEOUT (seconds to wait for the server, default 600).
+# The functions below run through `step` and the EXIT trap, which shellcheck cannot follow:
+# shellcheck disable=SC2317
+set -u
+
+cd "$(dirname "$0")/.." || exit 1
+OUT=${1:-out/gpu_check}
+mkdir -p "$OUT"
+if [ -x .venv/bin/paradraft ]; then
+    PARADRAFT=${PARADRAFT:-.venv/bin/paradraft}
+    PYTHON=${PYTHON:-.venv/bin/python}
+else
+    PARADRAFT=${PARADRAFT:-paradraft}
+    PYTHON=${PYTHON:-python3}
+fi
+GRPC_PORT=${GRPC_PORT:-18001}
+HTTP_PORT=${HTTP_PORT:-18000}
+METRICS_PORT=${METRICS_PORT:-18002}
+READY_TIMEOUT=${READY_TIMEOUT:-600}
+ENGINES="$OUT/engines_tensorrt"
+
+NAMES=()
+STATUSES=()
+SECONDS_TAKEN=()
+NOTES=()
+SERVER_PID=""
+
+now() {
+    # EPOCHREALTIME (bash >= 5) gives sub-second timings; plain seconds otherwise
+    if [ -n "${EPOCHREALTIME:-}" ]; then echo "${EPOCHREALTIME/,/.}"; else date +%s; fi
+}
+
+record() {  # record NAME STATUS SECONDS NOTE
+    NAMES+=("$1")
+    STATUSES+=("$2")
+    SECONDS_TAKEN+=("$3")
+    NOTES+=("$4")
+    echo "== $1: $2 ($3 s) $4"
+}
+
+step() {  # step NAME COMMAND...: run it, log it, time it, record PASS / FAIL
+    local name=$1 log t0 t1 status
+    shift
+    log="$OUT/$(echo "$name" | tr -c 'A-Za-z0-9_\n-' '_').log"
+    echo "== $name: $*"
+    t0=$(now)
+    if "$@" >"$log" 2>&1; then status=PASS; else status=FAIL; fi
+    t1=$(now)
+    record "$name" "$status" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" \
+        "log $log"
+}
+
+skip() {  # skip NAME REASON
+    record "$1" SKIP "0.0" "$2"
+}
+
+stop_server() {
+    if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -INT "$SERVER_PID"  # paradraft serve stops tritonserver cleanly on SIGINT
+        for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+        kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID"
+        wait "$SERVER_PID" 2>/dev/null
+    fi
+    SERVER_PID=""
+}
+trap stop_server EXIT
+
+wait_ready() {  # poll Triton's readiness endpoint while the server process lives
+    local deadline=$(( $(date +%s) + READY_TIMEOUT ))
+    while [ "$(date +%s)" -lt "$deadline" ]; do
+        kill -0 "$SERVER_PID" 2>/dev/null || return 1
+        if "$PYTHON" -c "import urllib.request; urllib.request.urlopen(
+                'http://127.0.0.1:$HTTP_PORT/v2/health/ready', timeout=2)" 2>/dev/null; then
+            return 0
+        fi
+        sleep 2
+    done
+    return 1
+}
+
+start_server() {
+    "$PARADRAFT" serve --engines "$ENGINES" --grpc-port "$GRPC_PORT" --http-port "$HTTP_PORT" \
+        --metrics-port "$METRICS_PORT" >"$OUT/serve_process.log" 2>&1 &
+    SERVER_PID=$!
+    wait_ready
+}
+
+# 1. the driver sees the GPU
+step "nvidia-smi" nvidia-smi
+
+# 2. the fused correction kernel on the GPU: TRITON_INTERPRET unset, or it runs interpreted
+step "kernel tests (GPU)" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/test_kernel.py
+
+# 3. TensorRT engines for the demo pair
+# as many batch rows as `serve` has slots by default (16), or serve refuses the plans
+step "build tensorrt engines" "$PARADRAFT" build --backend tensorrt --max-batch-size 16 \
+    --out "$ENGINES"
+
+# 4. the same suite on every backend present (tensorrt included now)
+step "conformance tests" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/test_conformance.py
+
+# 5. serve the engines, query once (streaming), load test, stop
+step "serve (start + ready)" start_server
+if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    step "query" "$PARADRAFT" query --url "127.0.0.1:$GRPC_PORT" --prompt "def fibonacci(n):" \
+        --max-tokens 32 --stream --json
+    step "loadtest" "$PARADRAFT" loadtest --url "127.0.0.1:$GRPC_PORT" --concurrency 1,4,8 \
+        --requests 16 --max-tokens 32 --out "$OUT/loadtest"
+    step "serve (stop)" stop_server
+else
+    skip "query" "server not ready; see $OUT/serve_process.log"
+    skip "loadtest" "server not ready"
+fi
+
+# 6. TensorRT-LLM engines + model repository, where TensorRT-LLM is installed
+if "$PYTHON" -c "import tensorrt_llm" >/dev/null 2>&1; then
+    step "build trtllm engines" "$PARADRAFT" build --backend trtllm --out "$OUT/engines_trtllm"
+else
+    skip "build trtllm engines" "tensorrt_llm not importable"
+fi
+
+echo
+printf '%-24s %-6s %8s  %s\n' "step" "status" "seconds" "note"
+printf '%-24s %-6s %8s  %s\n' "----" "------" "-------" "----"
+failed=0
+for i in "${!NAMES[@]}"; do
+    printf '%-24s %-6s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${SECONDS_TAKEN[$i]}" \
+        "${NOTES[$i]}"
+    [ "${STATUSES[$i]}" = FAIL ] && failed=1
+done
+exit "$failed"
