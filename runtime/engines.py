@@ -1,11 +1,18 @@
 """Load an engine dir (``paradraft build``) from its manifest alone: the verifier engine and
-the drafters it was built with. The CLI and the Triton model both start here."""
+the drafters it was built with. The CLI and the Triton model both start here.
+
+Also the engine graphs' I/O, shared by the ONNX Runtime and TensorRT backends: the step
+inputs, the correction inputs, and the write-back of a step's K/V into the ``KVCache``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .model import ModelConfig
+import torch
+from torch import Tensor
+
+from .correction import Randoms
+from .model import KVCache, ModelConfig
 from .speculative import DRAFTERS, Drafter
 
 
@@ -53,3 +60,58 @@ def load_engines(
             drafters[kind] = Drafter(kind, engine(name))
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest
+
+
+def step_inputs(tokens: Tensor, input_pos: Tensor, cache: KVCache, kv_len: int | None,
+                rows: Tensor | None, output_index: Tensor | None, n: int
+                ) -> dict[str, Tensor]:
+    """The step graph's inputs (the ONNX export's names), on the tokens' device; kv_len
+    stays a host scalar (TensorRT reads shape-tensor inputs from host memory)."""
+    B, T = tokens.shape
+    dev = tokens.device
+    L = cache.max_seq_len
+    kv_len = L if kv_len is None else min(kv_len, L)
+    # the graph needs max(input_pos) < kv_len; on the GPU checking it would sync every step,
+    # and the decoder's host-side bound guarantees it, so only CPU tensors are checked
+    if dev.type == "cpu" and input_pos.numel() and int(input_pos.max()) >= kv_len:
+        raise ValueError(f"kv_len must be > max(input_pos) = {int(input_pos.max())} "
+                         f"(an upper bound of the positions, <= {L}); got {kv_len}")
+    k0 = cache.k[0]
+    if k0.dtype != torch.float32 or not k0.is_contiguous() or k0.device != dev:
+        raise ValueError(f"cache must be contiguous float32 on {dev} (new_kv_cache) for the "
+                         f"engine backends; got {k0.dtype} on {k0.device}")
+    if rows is None:
+        rows = torch.arange(B, device=dev)
+    if output_index is None:
+        output_index = torch.arange(T, device=dev).expand(B, T)
+    inputs = {"tokens": tokens.long().contiguous(), "input_pos": input_pos.long().contiguous(),
+              "rows": rows.long().contiguous(), "output_index": output_index.long().contiguous(),
+              "kv_len": torch.tensor(kv_len)}
+    for i in range(n):
+        inputs[f"past_k_{i}"] = cache.k[i]
+        inputs[f"past_v_{i}"] = cache.v[i]
+    return inputs
+
+
+def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_pos: Tensor
+               ) -> None:
+    """This step's K/V into the cache at (row, position), in place: Transformer.forward's
+    writes (on the GPU, queued on the current stream after the plan)."""
+    index = (rows[:, None], input_pos)
+    for i in range(len(new_kv) // 2):
+        cache.k[i].index_put_(index, new_kv[f"new_k_{i}"])
+        cache.v[i].index_put_(index, new_kv[f"new_v_{i}"])
+
+
+def correction_inputs(B: int, randoms: Randoms | None, draft_probs: Tensor | None,
+                      num_drafted: Tensor | None, device: torch.device) -> dict[str, Tensor]:
+    """The correction graph's extra inputs; absent (None) ones travel as empty tensors."""
+    if randoms is None:  # greedy: no random numbers
+        randoms = Randoms(torch.empty(B, 0, device=device), torch.empty(B, 0, device=device))
+    probs = torch.empty(B, 0, 0, device=device) if draft_probs is None else draft_probs
+    drafted = (torch.empty(0, dtype=torch.long, device=device) if num_drafted is None
+               else num_drafted)
+    return {"draft_probs": probs.float().contiguous(),
+            "accept_uniforms": randoms.accept_uniforms.float().contiguous(),
+            "sample_noise": randoms.sample_noise.float().contiguous(),
+            "num_drafted": drafted.long().contiguous()}

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .correction import Randoms, RuleParams, correct
+from .engines import correction_inputs, step_inputs, write_back
 from .model import KVCache, ModelConfig
 
 DOMAIN = "paradraft"  # custom-op domain = TensorRT plugin namespace
@@ -161,10 +162,6 @@ class Graph:
         self.session.run_with_iobinding(b)
 
 
-def _contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t.to(dtype).contiguous()
-
-
 class OrtModel:
     """An exported model (its step graphs by layer count) behind the Transformer interface.
 
@@ -182,7 +179,6 @@ class OrtModel:
         self.threads = threads
         self._graphs: dict[int | None, Graph] = {}
         self._corrections: dict[RuleParams, Graph] = {}
-        self._arange: dict[int, Tensor] = {}
 
     def _graph(self, num_layers: int | None) -> Graph:
         if num_layers not in self._graphs:
@@ -194,51 +190,13 @@ class OrtModel:
             self._graphs[num_layers] = Graph(self.graph_paths[num_layers], self.threads)
         return self._graphs[num_layers]
 
-    def _step_inputs(self, tokens: Tensor, input_pos: Tensor, cache: KVCache,
-                     kv_len: int | None, rows: Tensor | None, output_index: Tensor | None,
-                     n: int) -> dict[str, Tensor]:
-        B, T = tokens.shape
-        L = cache.max_seq_len
-        kv_len = L if kv_len is None else min(kv_len, L)
-        if input_pos.numel() and int(input_pos.max()) >= kv_len:
-            raise ValueError(f"kv_len must be > max(input_pos) = {int(input_pos.max())} "
-                             f"(an upper bound of the positions, <= {L}); got {kv_len}")
-        if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
-            raise ValueError(f"cache must be contiguous float32 (new_kv_cache) for the onnx "
-                             f"backend; got {cache.k[0].dtype}")
-        if rows is None:
-            rows = self._range(B)
-        if output_index is None:
-            output_index = self._range(T).expand(B, T)
-        inputs = {"tokens": _contiguous(tokens, torch.int64),
-                  "input_pos": _contiguous(input_pos, torch.int64),
-                  "rows": _contiguous(rows, torch.int64),
-                  "output_index": _contiguous(output_index, torch.int64),
-                  "kv_len": torch.tensor(kv_len)}
-        for i in range(n):
-            inputs[f"past_k_{i}"] = cache.k[i]
-            inputs[f"past_v_{i}"] = cache.v[i]
-        return inputs
-
-    def _range(self, n: int) -> Tensor:
-        if n not in self._arange:
-            self._arange[n] = torch.arange(n)
-        return self._arange[n]
-
-    def _new_kv(self, inputs: dict[str, Tensor], n: int) -> tuple[Tensor, dict[str, Tensor]]:
+    def _new_kv(self, inputs: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+        # views into one buffer: one allocation per step
         B, T = inputs["tokens"].shape
         c = self.config
         buf = torch.empty(2 * n, B, T, c.n_kv_heads, c.head_dim)
-        return buf, {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
-                     for j, kv in enumerate(("k", "v"))}
-
-    @staticmethod
-    def _write_back(cache: KVCache, buf: Tensor, rows: Tensor, input_pos: Tensor) -> None:
-        # the K/V this step wrote, at (row, position): exactly Transformer.forward's writes
-        index = (rows[:, None], input_pos)
-        for i in range(buf.shape[0] // 2):
-            cache.k[i].index_put_(index, buf[2 * i])
-            cache.v[i].index_put_(index, buf[2 * i + 1])
+        return {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
+                for j, kv in enumerate(("k", "v"))}
 
     def __call__(
         self,
@@ -258,12 +216,12 @@ class OrtModel:
         c = self.config
         n = c.n_layers if num_layers is None else min(num_layers, c.n_layers)
         graph = self._graph(None if n == c.n_layers else n)
-        inputs = self._step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
         B = tokens.shape[0]
         logits = torch.empty(B, inputs["output_index"].shape[1], c.vocab_size)
-        buf, outputs = self._new_kv(inputs, n)
-        graph.run(inputs, {"logits": logits, **outputs})
-        self._write_back(cache, buf, inputs["rows"], inputs["input_pos"])
+        new_kv = self._new_kv(inputs, n)
+        graph.run(inputs, {"logits": logits, **new_kv})
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
         return logits, None
 
     # -- the verifier + CausalCorrection graph ---------------------------------------------
@@ -297,27 +255,16 @@ class OrtModel:
         next_token [B], accepted_tokens [B, K+1]) — the logits stay inside the graph."""
         c = self.config
         graph = self.correction_graph(params)
-        inputs = self._step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)
         B, T = tokens.shape
-        # absent (None) optional inputs travel as empty tensors
-        empty_f, empty_i = torch.empty(B, 0, 0), torch.empty(0, dtype=torch.int64)
-        if randoms is None:  # greedy: no random numbers
-            randoms = Randoms(torch.empty(B, 0), torch.empty(B, 0))
-        inputs.update({
-            "draft_probs": empty_f if draft_probs is None else _contiguous(draft_probs,
-                                                                           torch.float32),
-            "accept_uniforms": _contiguous(randoms.accept_uniforms, torch.float32),
-            "sample_noise": _contiguous(randoms.sample_noise, torch.float32),
-            "num_drafted": empty_i if num_drafted is None else _contiguous(num_drafted,
-                                                                           torch.int64),
-        })
+        inputs.update(correction_inputs(B, randoms, draft_probs, num_drafted, tokens.device))
         num_accepted = torch.empty(B, dtype=torch.int64)
         next_token = torch.empty(B, dtype=torch.int64)
         accepted = torch.empty(B, T, dtype=torch.int64)
-        buf, outputs = self._new_kv(inputs, c.n_layers)
+        new_kv = self._new_kv(inputs, c.n_layers)
         graph.run(inputs, {"num_accepted": num_accepted, "next_token": next_token,
-                           "accepted_tokens": accepted, **outputs})
+                           "accepted_tokens": accepted, **new_kv})
         if last_op_error is not None and bool((num_accepted < 0).any()):
             raise ValueError(f"{OP_TYPE} failed: {last_op_error}")
-        self._write_back(cache, buf, inputs["rows"], inputs["input_pos"])
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
         return num_accepted, next_token, accepted

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .correction import Randoms, RuleParams
+from .engines import correction_inputs, step_inputs, write_back
 from .model import KVCache, ModelConfig
 
 ALIGNMENT = 256  # TensorRT wants every device address 256-byte aligned
@@ -86,37 +87,6 @@ def check_limits(manifest: dict, slots: int, seq_len: int, k: int) -> None:
                              f"were built for (rebuild with {flag} {value}); got {value}")
 
 
-def step_inputs(tokens: Tensor, input_pos: Tensor, cache: KVCache, kv_len: int | None,
-                rows: Tensor | None, output_index: Tensor | None, n: int
-                ) -> dict[str, Tensor]:
-    """The step graph's inputs, as ``OrtModel`` binds them, on the tokens' device; kv_len
-    stays a host scalar (TensorRT reads shape-tensor inputs from host memory)."""
-    B, T = tokens.shape
-    dev = tokens.device
-    L = cache.max_seq_len
-    kv_len = L if kv_len is None else min(kv_len, L)
-    # the graph needs max(input_pos) < kv_len; on the GPU checking it would sync every step,
-    # and the decoder's host-side bound guarantees it, so only CPU tensors are checked
-    if dev.type == "cpu" and input_pos.numel() and int(input_pos.max()) >= kv_len:
-        raise ValueError(f"kv_len must be > max(input_pos) = {int(input_pos.max())} "
-                         f"(an upper bound of the positions, <= {L}); got {kv_len}")
-    k0 = cache.k[0]
-    if k0.dtype != torch.float32 or not k0.is_contiguous() or k0.device != dev:
-        raise ValueError(f"cache must be contiguous float32 on {dev} (new_kv_cache) for the "
-                         f"tensorrt backend; got {k0.dtype} on {k0.device}")
-    if rows is None:
-        rows = torch.arange(B, device=dev)
-    if output_index is None:
-        output_index = torch.arange(T, device=dev).expand(B, T)
-    inputs = {"tokens": tokens.long().contiguous(), "input_pos": input_pos.long().contiguous(),
-              "rows": rows.long().contiguous(), "output_index": output_index.long().contiguous(),
-              "kv_len": torch.tensor(kv_len)}
-    for i in range(n):
-        inputs[f"past_k_{i}"] = cache.k[i]
-        inputs[f"past_v_{i}"] = cache.v[i]
-    return inputs
-
-
 def new_kv_outputs(config: ModelConfig, B: int, T: int, n: int, device: torch.device
                    ) -> dict[str, Tensor]:
     """``new_k_<i>`` / ``new_v_<i>`` [B, T, kv_heads, head_dim]: one allocation each (views
@@ -124,30 +94,6 @@ def new_kv_outputs(config: ModelConfig, B: int, T: int, n: int, device: torch.de
     shape = (B, T, config.n_kv_heads, config.head_dim)
     return {f"new_{kv}_{i}": torch.empty(shape, device=device)
             for i in range(n) for kv in ("k", "v")}
-
-
-def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_pos: Tensor
-               ) -> None:
-    """This step's K/V into the cache at (row, position), in place: Transformer.forward's
-    writes (on the GPU, queued on the current stream after the plan)."""
-    index = (rows[:, None], input_pos)
-    for i in range(len(new_kv) // 2):
-        cache.k[i].index_put_(index, new_kv[f"new_k_{i}"])
-        cache.v[i].index_put_(index, new_kv[f"new_v_{i}"])
-
-
-def correction_inputs(B: int, randoms: Randoms | None, draft_probs: Tensor | None,
-                      num_drafted: Tensor | None, device: torch.device) -> dict[str, Tensor]:
-    """The correction graph's extra inputs; absent (None) ones travel as empty tensors."""
-    if randoms is None:  # greedy: no random numbers
-        randoms = Randoms(torch.empty(B, 0, device=device), torch.empty(B, 0, device=device))
-    probs = torch.empty(B, 0, 0, device=device) if draft_probs is None else draft_probs
-    drafted = (torch.empty(0, dtype=torch.long, device=device) if num_drafted is None
-               else num_drafted)
-    return {"draft_probs": probs.float().contiguous(),
-            "accept_uniforms": randoms.accept_uniforms.float().contiguous(),
-            "sample_noise": randoms.sample_noise.float().contiguous(),
-            "num_drafted": drafted.long().contiguous()}
 
 
 def prepare(t: Tensor, dtype: torch.dtype, host: bool, device: torch.device) -> Tensor:

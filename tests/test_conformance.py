@@ -125,7 +125,7 @@ def test_forced_rejections_roll_back(backend, truth, drafter, monkeypatch):
 
     def planted(tokens, lengths, k, bound, gen, rows=None):
         real_draft(tokens, lengths, k, bound, gen, rows)
-        slots = torch.arange(3) if rows is None else rows.cpu()
+        slots = torch.arange(len(lengths)) if rows is None else rows.cpu()  # None: 0..B-1
         done = (lengths.cpu() - prompt_lens[slots]).tolist()  # index of the newest generated
         drafts = torch.tensor([truth[s][g + 1: g + 1 + k]
                                for s, g in zip(slots.tolist(), done, strict=True)])
