@@ -357,7 +357,8 @@ def serve_config(args: argparse.Namespace):
                        engines=args.engines, k=args.k, max_slots=args.max_slots,
                        max_queue=args.max_queue, max_seq_len=args.max_seq_len,
                        max_input_tokens=args.max_seq_len - 1, rule=args.rule,
-                       eos_token_id=eos)
+                       eos_token_id=eos,
+                       disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 
 def load_model_config_eos(model_dir: str) -> int | None:
@@ -452,7 +453,8 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
             server.stop()
     data = write_outputs(results, Path(args.out), {
         "url": url, "requests_per_level": args.requests, "max_tokens": args.max_tokens,
-        "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter})
+        "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter,
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size})
     print_results(results)
     print(json.dumps(data["summary"], indent=2))
     print(f"wrote {Path(args.out) / 'loadtest.json'} and loadtest.png")
@@ -544,6 +546,9 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
         s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
         s.add_argument("--max-seq-len", type=int, default=512)
+        s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                       metavar="N", help="rounds with >= N running requests decode without "
+                       "drafts (a saturated device gains nothing from speculation)")
 
     s = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
     add_server_args(s)

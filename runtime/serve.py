@@ -49,6 +49,8 @@ class ServeConfig:
     top_p: float = 1.0
     eos_token_id: int | None = None
     rule_defaults: dict = field(default_factory=dict)
+    # rounds with at least this many running requests decode without drafts (None: never)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
@@ -56,6 +58,10 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+            raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "
+                             f"unset; got {self.disable_by_batch_size!r}")
         if self.max_input_tokens >= self.max_seq_len:
             raise ValueError(f"max_input_tokens must be in [1, {self.max_seq_len - 1}] "
                              f"(below max_seq_len); got {self.max_input_tokens}")
@@ -89,6 +95,7 @@ def build_scheduler(config: ServeConfig):
     decoder = SpeculativeDecoder(
         verifier, drafter, default_params(config), k=config.k,
         max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
+        disable_by_batch_size=config.disable_by_batch_size,
     )
     return Scheduler(decoder, max_queue=config.max_queue)
 

@@ -173,7 +173,10 @@ class SpeculativeDecoder:
     baseline). ``adaptive_k``: per row, K += 2 after a fully accepted block, K −= 1 otherwise,
     within [1, k]. ``audit_epsilon``: run the verifier with the attention causal audit (seed
     scheme 3) and roll back at the first draft position that attends to a later one with
-    weight > ε.
+    weight > ε. ``disable_by_batch_size``: a round with at least this many running rows
+    decodes without drafts (vLLM's ``speculative_disable_by_batch_size``): on a saturated
+    device a batched plain step is cheaper per token than draft + verify. A separate draft
+    model's cache then falls behind; the next drafted round re-feeds the missed tokens.
     """
 
     def __init__(
@@ -188,6 +191,7 @@ class SpeculativeDecoder:
         max_seq_len: int = 512,
         draft_sampling: bool | None = None,
         acceptance_floor: float = 0.6,
+        disable_by_batch_size: int | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -206,6 +210,11 @@ class SpeculativeDecoder:
             raise ValueError(f"audit_epsilon must be in [0, 1); got {audit_epsilon}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
+        if disable_by_batch_size is not None and (
+                not isinstance(disable_by_batch_size, int) or disable_by_batch_size < 1):
+            raise ValueError("disable_by_batch_size must be an integer >= 1 or None; got "
+                             f"{disable_by_batch_size!r}")
+        self.disable_by_batch_size = disable_by_batch_size
         if not 0.0 <= acceptance_floor <= 1.0:
             raise ValueError(f"acceptance_floor must be in [0, 1]; got {acceptance_floor}")
         self.monitor = AcceptanceMonitor(floor=acceptance_floor)
@@ -231,26 +240,29 @@ class SpeculativeDecoder:
 
     def _draft(
         self, tokens: Tensor, lengths: Tensor, k: int, bound: int, gen: torch.Generator,
-        rows: Tensor | None = None,
+        rows: Tensor | None = None, missed: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
+        """``missed``: rounds the draft cache skipped (undrafted rounds): re-feed as many
+        more real tokens."""
         d = self.drafter
         B = lengths.shape[0]
         if d.kind == "parallel":
             # re-feed the last K_max+1 real tokens (the cache may lack up to that many after a
             # fully accepted block), then K−1 masks; outputs at offsets 0..k−1 are the drafts
-            offsets = torch.arange(-self.k, k, device=lengths.device)
+            back = self.k + missed
+            offsets = torch.arange(-back, k, device=lengths.device)
             pos = (lengths[:, None] + offsets).clamp(min=0)
             real = tokens.gather(1, pos)
             inputs = torch.where(offsets <= 0, real, d.mask_token_id)
-            out_idx = (self.k + torch.arange(k, device=lengths.device)).expand(B, -1)
+            out_idx = (back + torch.arange(k, device=lengths.device)).expand(B, -1)
             logits, _ = d.model(inputs, pos, self.draft_cache, kv_len=bound, rows=rows,
                                 output_index=out_idx)
             return self._choose_drafts(logits, gen)
         # autoregressive drafters: the separate model re-feeds the token before the newest
         # (missing from its cache after a fully accepted block); the self-draft's layers were
         # already written by the verify pass, so it feeds only the newest token
-        cache, window = (self.cache, 1) if d.kind == "self" else (self.draft_cache, 2)
-        pos = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)
+        cache, window = (self.cache, 1) if d.kind == "self" else (self.draft_cache, 2 + missed)
+        pos = (lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)).clamp(min=0)
         inputs = tokens.gather(1, pos)
         last = torch.full((B, 1), window - 1, device=lengths.device)
         drafts, probs = [], []
@@ -291,6 +303,7 @@ class SpeculativeDecoder:
         # host mirrors of lengths and K, refreshed by each round's single transfer
         self.host_lengths = [0] * S
         self.host_k = [width] * S
+        self.draft_missed = [0] * S  # undrafted rounds since the draft cache was last fed
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         vocab = self.verifier.config.vocab_size
@@ -346,6 +359,8 @@ class SpeculativeDecoder:
         self.counters[:, rows] = 0
         self.per_pos[:, rows] = 0
         self.times[:, slots] = 0.0
+        for s in slots:
+            self.draft_missed[s] = 0
         pos = torch.arange(t_prompt, device=dev).expand(B, -1)
         last = (prompt_lens - 1)[:, None]
         logits, _ = self.verifier(padded, pos, self.cache, kv_len=t_prompt, rows=rows,
@@ -405,9 +420,18 @@ class SpeculativeDecoder:
         bound = max(self.host_lengths[s] for s in slots) + 2 * k_max + 2
         tokens = self.tokens[rows]
         t0 = time.perf_counter()
-        if k_max:
-            draft_tokens, draft_probs = self._draft(tokens, lengths, k, bound, gen, cache_rows)
+        speculate = k_max and (self.disable_by_batch_size is None
+                               or len(slots) < self.disable_by_batch_size)
+        if speculate:
+            missed = max(self.draft_missed[s] for s in slots)
+            draft_tokens, draft_probs = self._draft(tokens, lengths, k, bound, gen, cache_rows,
+                                                    missed)
+            for s in slots:
+                self.draft_missed[s] = 0
         else:
+            if self.draft_cache is not None:
+                for s in slots:
+                    self.draft_missed[s] += 1
             draft_tokens = torch.zeros(len(slots), 0, dtype=torch.long, device=dev)
             draft_probs = None
         t1 = time.perf_counter()

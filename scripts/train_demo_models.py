@@ -59,7 +59,7 @@ SEQ_LEN = 256
 MAX_POSITIONS = 1024
 PARALLEL_MAX_K = 8
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-STAGES = ("tokenizer", "verifier", "draft", "parallel", "report")
+STAGES = ("tokenizer", "verifier", "draft", "parallel", "selfdistill", "report")
 STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -113,6 +113,7 @@ class RunConfig:
     verifier: StageConfig
     draft: StageConfig
     parallel: StageConfig
+    selfdistill: StageConfig
 
     @property
     def work(self) -> Path:
@@ -478,13 +479,17 @@ def parallel_batch(tokens: np.ndarray, rng: np.random.Generator,
     """
     length = int(rng.choice([64, 128, 256]))
     batch = max(1, batch_tokens // length)
-    x = random_windows(tokens, rng, batch, length + 1)
+    return mask_tail(random_windows(tokens, rng, batch, length + 1), rng)
+
+
+def mask_tail(x: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    """Replace the last k-1 input positions of each row (k uniform in [2, 8]) by <mask>."""
     real, labels = x[:, :-1], x[:, 1:]
     inputs = real.clone()
-    ks = rng.integers(2, PARALLEL_MAX_K + 1, size=batch)
-    is_mask = torch.zeros_like(inputs, dtype=torch.bool)
-    for row, k in enumerate(ks):
-        is_mask[row, length - (int(k) - 1):] = True
+    ks = torch.from_numpy(rng.integers(2, PARALLEL_MAX_K + 1, size=x.shape[0]))
+    positions = torch.arange(real.shape[1])
+    is_mask = positions >= (real.shape[1] - (ks - 1)).unsqueeze(1)
     inputs[is_mask] = MASK_ID
     return inputs, real, labels, is_mask
 
@@ -788,6 +793,93 @@ def train_parallel(cfg: RunConfig) -> None:
     save_model(cfg, model, "parallel_draft")
     update_metrics(cfg, "parallel_draft", result)
     log(f"parallel_draft eval: {result['eval']}")
+
+
+@torch.no_grad()
+def verifier_trajectories(cfg: RunConfig, teacher: torch.nn.Module
+                          ) -> list[tuple[int, torch.Tensor]]:
+    """Greedy continuations of training-set prompts by the verifier (cached in .work).
+
+    Speculative decoding drafts along the verifier's own trajectory, which differs from human
+    text (a small model's greedy output is repetitive), so the drafts are fine-tuned on it:
+    sequence-level distillation, as Medusa/EAGLE do with self-generated data. Prompts come from
+    the training split only; batch i is a pure function of (seed, i). Returns a list of
+    (prompt length, token tensor [rows, prompt + new]).
+    """
+    path = cfg.work / "trajectories.pt"
+    batches = torch.load(path) if path.exists() else []
+    sd = cfg.selfdistill
+    tokens = load_tokens(cfg, "train")
+    total = int(sd.extra["batches"])
+    for i in tqdm(range(len(batches), total), desc="trajectories", ncols=110,
+                  initial=len(batches), total=total):
+        rng = np.random.default_rng([cfg.seed, STAGE_INDEX["selfdistill"], i])
+        prompt_len = int(rng.choice([16, 32, 64, 128]))
+        prompts = random_windows(tokens, rng, sd.batch_size * 4, prompt_len)
+        out = teacher.generate(prompts, attention_mask=torch.ones_like(prompts),
+                               do_sample=False, max_new_tokens=int(sd.extra["new_tokens"]),
+                               min_new_tokens=int(sd.extra["new_tokens"]),
+                               pad_token_id=PAD_ID)
+        batches.append((prompt_len, out))
+        if (i + 1) % 8 == 0 or i + 1 == total:  # resumable
+            torch.save(batches, path)
+    return batches[:total]
+
+
+def train_selfdistill(cfg: RunConfig) -> None:
+    """Fine-tune ``draft`` and ``parallel_draft`` on the verifier's greedy trajectories."""
+    sd = cfg.selfdistill
+    seed_everything(cfg.seed * 1000 + STAGE_INDEX["selfdistill"])
+    teacher = load_model(cfg.out / "verifier").eval().requires_grad_(False)
+    teacher.generation_config.eos_token_id = None  # fixed-length continuations
+    batches = verifier_trajectories(cfg, teacher)
+    n_new = int(sd.extra["new_tokens"])
+    log(f"selfdistill: {len(batches)} trajectory batches, "
+        f"{sum(b.shape[0] for _, b in batches) * n_new:,} generated tokens")
+    hard_weight = sd.extra["hard_weight"]
+
+    def pick(step: int) -> tuple[np.random.Generator, int, torch.Tensor]:
+        rng = step_rng(cfg.seed, "selfdistill", step)
+        prompt_len, seqs = batches[int(rng.integers(len(batches)))]
+        rows = torch.from_numpy(rng.choice(seqs.shape[0], sd.batch_size, replace=False))
+        return rng, prompt_len, seqs[rows]
+
+    def distill_loss(s_logits: torch.Tensor, t_logits: torch.Tensor, labels: torch.Tensor,
+                     generated: torch.Tensor) -> torch.Tensor:
+        # KL everywhere; on the verifier's own tokens also CE towards its greedy choice
+        hard = F.cross_entropy(s_logits.transpose(1, 2).float(), labels, reduction="none")
+        return kl_per_token(t_logits, s_logits) + hard_weight * hard * generated
+
+    for name, parallel in (("draft", False), ("parallel_draft", True)):
+        model = load_model(cfg.out / name).train()
+        stage = StageConfig(f"selfdistill_{name}", sd.minutes / 2, sd.max_steps, sd.batch_size,
+                            sd.lr, sd.warmup_steps, extra=sd.extra)
+
+        def loss_fn(step: int, model: torch.nn.Module = model, parallel: bool = parallel
+                    ) -> tuple[torch.Tensor, dict[str, float], int]:
+            rng, prompt_len, x = pick(step)
+            if parallel:  # cut inside the continuation, then mask the tail as in PARD
+                x = x[:, :int(rng.integers(prompt_len + PARALLEL_MAX_K, x.shape[1])) + 1]
+                inputs, real, labels, is_mask = mask_tail(x, rng)
+            else:
+                inputs, real, labels = x[:, :-1], x[:, :-1], x[:, 1:]
+                is_mask = torch.zeros_like(inputs, dtype=torch.bool)
+            generated = (torch.arange(labels.shape[1]) >= prompt_len - 1).float()
+            with torch.no_grad():
+                t_logits = teacher(input_ids=real).logits
+            s_logits = model(input_ids=inputs).logits
+            per_tok = distill_loss(s_logits, t_logits, labels, generated)
+            agree = (s_logits.argmax(-1) == t_logits.argmax(-1)).float()
+            loss = per_tok[~is_mask].mean()
+            scalars = {"agree_gen": agree[:, prompt_len:][~is_mask[:, prompt_len:]].mean().item()}
+            if parallel:
+                loss = loss + per_tok[is_mask].mean()
+                scalars["agree_mask"] = agree[is_mask].mean().item()
+            return loss, scalars, inputs.numel()
+
+        result = train_loop(cfg, stage, model, loss_fn)
+        save_model(cfg, model, name)
+        update_metrics(cfg, f"selfdistill_{name}", result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1121,6 +1213,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     ap.add_argument("--verifier-steps", type=int, default=None)
     ap.add_argument("--draft-steps", type=int, default=None)
     ap.add_argument("--parallel-steps", type=int, default=None)
+    ap.add_argument("--selfdistill-minutes", type=float, default=40.0,
+                    help="fine-tuning budget on verifier trajectories (split draft/parallel)")
+    ap.add_argument("--selfdistill-steps", type=int, default=None)
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=2, help="max torch intra-op threads")
     ap.add_argument("--no-thread-tuning", action="store_true",
@@ -1138,13 +1233,17 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parallel=StageConfig("parallel", a.parallel_minutes, a.parallel_steps, batch_size=4,
                              lr=1.5e-3, warmup_steps=30,
                              extra={"ce_weight": 0.1, "mask_weight": 1.0}),
+        selfdistill=StageConfig("selfdistill", a.selfdistill_minutes, a.selfdistill_steps,
+                                batch_size=8, lr=1e-3, warmup_steps=20,
+                                extra={"batches": 160, "new_tokens": 96, "hard_weight": 1.0}),
     )
 
 
 def stage_done(cfg: RunConfig, stage: str) -> bool:
     metrics = load_json(cfg.out / "training_metrics.json")
     key = {"tokenizer": "tokenizer", "verifier": "verifier", "draft": "draft",
-           "parallel": "parallel_draft", "report": "agreement"}[stage]
+           "parallel": "parallel_draft", "selfdistill": "selfdistill_parallel_draft",
+           "report": "agreement"}[stage]
     if stage == "tokenizer":
         return key in metrics and (cfg.work / "tokens_heldout.npy").exists()
     return key in metrics
@@ -1165,7 +1264,8 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(), "platform": platform.platform()})
     stages = STAGES if cfg.stage == "all" else (cfg.stage,)
     runners = {"tokenizer": train_tokenizer, "verifier": train_verifier, "draft": train_draft,
-               "parallel": train_parallel, "report": write_report}
+               "parallel": train_parallel, "selfdistill": train_selfdistill,
+               "report": write_report}
     t0 = time.time()
     for stage in stages:
         if cfg.resume and cfg.stage == "all" and stage_done(cfg, stage):

@@ -77,6 +77,31 @@ def test_planted_rejection_rolls_back_and_discards_later_drafts(verifier, monkey
         assert s.accepted_per_position == [3] * j + [0] * (K - j)
 
 
+@pytest.mark.parametrize("kind", ["model", "parallel"])
+def test_undrafted_rounds_are_re_fed_to_the_draft_cache(verifier, pair, kind):
+    # rounds with >= 3 rows run without drafts (disable_by_batch_size=3); when slot 0 drafts
+    # again, its draft cache must hold exactly what a fresh pass over its tokens gives
+    draft = load_model(pair[2] if kind == "parallel" else pair[1])
+    dec = SpeculativeDecoder(verifier, Drafter(kind, draft), RuleParams("greedy"), k=3,
+                             max_batch_size=4, disable_by_batch_size=3)
+    dec.reset()
+    gen = torch.Generator().manual_seed(0)
+    dec.prefill([0, 1, 2], PROMPTS, [40, 40, 40], [None] * 3, gen)
+    for _ in range(5):
+        dec.step([0, 1, 2], gen)
+    assert dec.draft_missed[0] == 5
+    start = dec.host_lengths[0]
+    dec.step([0], gen)
+    assert dec.draft_missed[0] == 0
+    fresh = model_module.new_kv_cache(draft.config, 1, dec.draft_cache.max_seq_len,
+                                      draft.dtype)
+    tokens = dec.tokens[:1, : start + 1]
+    draft(tokens, torch.arange(start + 1)[None], fresh, kv_len=start + 1)
+    for layer in range(draft.config.n_layers):
+        torch.testing.assert_close(dec.draft_cache.k[layer][0, : start + 1],
+                                   fresh.k[layer][0, : start + 1], atol=1e-4, rtol=1e-4)
+
+
 def test_causal_audit_silent_with_correct_mask_and_catches_a_broken_one(verifier, monkeypatch):
     dec = SpeculativeDecoder(verifier, Drafter("self", verifier), RuleParams("greedy"), k=4,
                              audit_epsilon=1e-6, max_batch_size=4)

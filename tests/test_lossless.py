@@ -81,6 +81,24 @@ def test_adaptive_k_stays_lossless_and_in_range(models, baseline):
     assert s.drafted_per_position[0] == s.verify_steps
 
 
+@pytest.mark.parametrize("kind", ["model", "parallel", "self"])
+def test_speculation_disabled_by_batch_size_stays_lossless(models, baseline, kind):
+    # rows finish at different rounds: while >= 4 run, rounds are plain steps (the separate
+    # draft's cache falls behind), then drafting resumes and must re-feed what it missed
+    verifier, draft, parallel, hf = models
+    model = {"model": draft, "parallel": parallel, "self": verifier}[kind]
+    lengths = [4, 8, 12, 16, 18, 20, 22, NEW_TOKENS]
+    dec = SpeculativeDecoder(verifier, Drafter(kind, model), RuleParams("greedy"), k=4,
+                             max_batch_size=8, disable_by_batch_size=4)
+    result = dec.generate(prompts(), lengths)
+    for p, got, want, n in zip(prompts(), result.token_ids, baseline, lengths, strict=True):
+        assert_equal_or_numerical_tie(hf, p, got, want[:n])
+    last = result.row_stats[-1]  # the longest row saw both kinds of round
+    assert 0 < last.num_drafts < last.verify_steps
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 1"):
+        SpeculativeDecoder(verifier, Drafter(kind, model), disable_by_batch_size=0)
+
+
 def distribution_distance(samples: torch.Tensor, target: torch.Tensor) -> float:
     emp = torch.bincount(samples, minlength=target.numel()).float() / samples.numel()
     return float((emp - target).abs().sum())

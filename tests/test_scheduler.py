@@ -96,6 +96,8 @@ def test_serve_config_validates_its_limits():
                         (dict(max_queue=-1), r"max_queue must be an integer >= 0"),
                         (dict(max_input_tokens=600), r"max_input_tokens must be in \[1, 511\]"),
                         (dict(rule="best"), "rule must be one of"),
-                        (dict(top_p=0.0), r"top_p must be in \(0, 1\]")]:
+                        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+                        (dict(disable_by_batch_size=0),
+                         "speculative_disable_by_batch_size must be an integer >= 1")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig("verifier", "draft", **kw)
