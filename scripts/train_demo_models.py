@@ -1159,6 +1159,35 @@ def model_card(m: dict) -> str:
             "Held-out CE by offset with K = 8 (0 = next token, j = j-th mask): "
             f"{p['eval']['heldout_loss_by_offset_k8']}.",
         ]
+    sd = {k: m[f"selfdistill_{k}"] for k in ("draft", "parallel_draft")
+          if f"selfdistill_{k}" in m}
+    if sd:
+        h = next(iter(sd.values()))["hyperparameters"]
+        rows, extra = h["batch_size"] * 4, h["extra"]
+        lines += [
+            "",
+            "### self-distillation (both drafts, after the stages above)",
+            "",
+            "Speculative decoding drafts along the verifier's own greedy trajectory, and a small "
+            "model's greedy text is far more repetitive than the corpus. So both drafts are "
+            f"then fine-tuned on {fmt_int(extra['batches'] * rows)} greedy continuations "
+            f"({extra['new_tokens']} tokens each, "
+            f"{fmt_int(extra['batches'] * rows * extra['new_tokens'])} generated tokens) of "
+            "training-split prompts of 16/32/64/128 tokens: "
+            "KL(verifier || draft) at every position plus "
+            f"{extra['hard_weight']} x CE towards the verifier's greedy token on the generated "
+            "positions (the parallel draft with PARD masking, cut inside the continuation). "
+            f"Batch {h['batch_size']}, peak LR {h['lr']}.",
+            "",
+            "| model | steps | tokens seen | wall | greedy agreement on trajectories (EMA) |",
+            "|---|---|---|---|---|",
+        ]
+        for key, r in sd.items():
+            sc = r["final_train_scalars_ema"]
+            agree = f"next {sc.get('agree_gen')}" + (
+                f", masks {sc['agree_mask']}" if "agree_mask" in sc else "")
+            lines.append(f"| `{key}` | {r['steps']} | {r['tokens_seen']:,} | "
+                         f"{r['wall_seconds'] / 60:.1f} min | {agree} |")
     ag = m.get("agreement")
     if ag:
         n = m.get("verifier", {}).get("self_draft_layers", 1)
