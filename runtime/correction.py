@@ -115,6 +115,12 @@ def sample(probs: Tensor, noise: Tensor) -> Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def check_randoms(params: RuleParams, randoms: Randoms | None) -> None:
+    """Every rule but greedy samples (its acceptance or its correction): it needs randoms."""
+    if randoms is None and not params.is_greedy:
+        raise ValueError(f"rule {params.rule!r} samples: it needs random numbers (Randoms)")
+
+
 def acceptance_mask(
     logits: Tensor,
     draft_tokens: Tensor,
@@ -174,6 +180,7 @@ def correct(
     takes the verifier's token (adaptive K, per-request K, causal audit).
     K = 0 is plain decoding: the next token comes from position 0.
     """
+    check_randoms(params, randoms)
     K = draft_tokens.shape[1]
     positions = torch.arange(K, device=draft_tokens.device)
     accept = acceptance_mask(
@@ -189,8 +196,6 @@ def correct(
     )[:, 0]
     if params.rule == "greedy":
         return num_accepted, stop_logits.argmax(-1)
-    if randoms is None:
-        raise ValueError(f"rule {params.rule!r} samples: it needs random numbers (Randoms)")
     probs = sampling_probs(stop_logits, params.temperature, params.top_p)
     if params.rule == "exact" and K > 0:
         # rejected rows draw from norm(max(p - q, 0)); rows past their drafts take the bonus

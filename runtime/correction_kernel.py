@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .correction import Randoms, RuleParams, correct
+from .correction import Randoms, RuleParams, check_randoms, correct
 
 tl: Any = None  # triton.language, bound by _kernels() on first use (triton is optional)
 MAX_BLOCK_V = 1024
@@ -374,14 +374,6 @@ def compile_row_kernel(params: RuleParams, logits_type: str = "fp32", block_v: i
     return triton.compile(src, target=target, options={"num_warps": num_warps})
 
 
-def _check_randoms(params: RuleParams, randoms: Randoms | None) -> None:
-    """correct()'s errors for a sampling rule given no random numbers."""
-    if randoms is None and params.rule == "exact":
-        raise ValueError("rule 'exact' samples: it needs random numbers (Randoms)")
-    if randoms is None and not params.is_greedy:
-        raise ValueError(f"rule {params.rule!r} samples: it needs random numbers (Randoms)")
-
-
 def correct_fused(
     target_logits: Tensor,
     draft_tokens: Tensor,
@@ -396,7 +388,7 @@ def correct_fused(
     [B]) on the logits' device, with no host sync. The keyword-only block_v (a power of two)
     overrides the vocabulary tile (the tests use small ones to get several tiles)."""
     _kernels()
-    _check_randoms(params, randoms)
+    check_randoms(params, randoms)
     B, K = draft_tokens.shape
     T, V = target_logits.shape[1:]
     dev = target_logits.device
@@ -440,22 +432,19 @@ def correct_block_fused(
     """The one-launch ``_row_kernel`` (what the TensorRT plugin runs), launched from torch:
     (num_accepted [B], next_token [B], accepted_tokens [B, K+1]) as the ONNX op returns."""
     _kernels()
-    _check_randoms(params, randoms)
+    check_randoms(params, randoms)
     B, K = draft_tokens.shape
     V = target_logits.shape[-1]
     dev = target_logits.device
     logits = target_logits.contiguous()
     drafts = draft_tokens.contiguous()
+    from .engines import correction_inputs  # not at the top: engines imports the decoder
+
     # empty tensors stand for None, exactly as the plugin receives them
-    probs = torch.empty(B, 0, 0, device=dev) if draft_probs is None else draft_probs
-    drafted = torch.empty(0, dtype=torch.long, device=dev) if num_drafted is None else num_drafted
-    if randoms is None:
-        randoms = Randoms(torch.empty(B, 0, device=dev), torch.empty(B, 0, device=dev))
-    inputs = [logits, drafts, probs.float().contiguous(),
-              randoms.accept_uniforms.float().contiguous(),
-              randoms.sample_noise.float().contiguous(), drafted.contiguous()]
-    scalars = row_kernel_scalars(logits.shape, drafts.shape, probs.shape,
-                                 randoms.sample_noise.shape, drafted.shape)
+    extra = correction_inputs(B, randoms, draft_probs, num_drafted, dev)
+    inputs = [logits, drafts, *extra.values()]
+    scalars = row_kernel_scalars(logits.shape, drafts.shape, extra["draft_probs"].shape,
+                                 extra["sample_noise"].shape, extra["num_drafted"].shape)
     outputs = [torch.empty(B, dtype=torch.long, device=dev),
                torch.empty(B, dtype=torch.long, device=dev),
                torch.empty(B, K + 1, dtype=torch.long, device=dev)]
