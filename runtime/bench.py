@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .correction import RuleParams
 from .model import Transformer
-from .speculative import Drafter, SpeculativeDecoder, aggregate
+from .speculative import Drafter, SpeculativeDecoder, aggregate, analytic_length
 
 
 @dataclass
@@ -30,11 +30,13 @@ class BenchRow:
     k: int
     batch_size: int
     sampling: bool
+    schedule: str = "fixed"  # "fixed": K every round | "auto": the goodput policy, K <= k
     tokens: int = 0
     seconds: float = 0.0
     acceptance_rate: float | None = None
     alpha: float | None = None  # P(accept | position reached) = accepted / (accepted + rejections)
     mean_acceptance_length: float | None = None
+    mean_k: float | None = None  # draft tokens per verify step (the K the rounds used)
     analytic_acceptance_length: float | None = None
     per_position_acceptance: list[float] = field(default_factory=list)
     time_share: dict = field(default_factory=dict)
@@ -53,20 +55,14 @@ class BenchRow:
         return d
 
 
-def analytic_length(alpha: float, k: int) -> float:
-    """Expected tokens per verify step for per-token acceptance α (Leviathan et al.)."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
              prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
              row: BenchRow) -> BenchRow:
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
-                             acceptance_floor=0.0)
-    dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up
+                             acceptance_floor=0.0,
+                             draft_len_schedule="auto" if row.schedule == "auto" else None)
+    dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
     stats = []
     for i in range(0, len(prompts), batch_size):
         stats.append(dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed).stats)
@@ -80,10 +76,12 @@ def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams,
     if drafter is not None:
         row.acceptance_rate = total.acceptance_rate
         row.mean_acceptance_length = total.mean_acceptance_length
+        row.mean_k = total.draft_tokens / max(total.verify_steps, 1)
         # Leviathan's α is per reached position: each step ends in one rejection or K accepts
         reached = total.accepted_tokens + total.rollbacks
         row.alpha = total.accepted_tokens / reached if reached else 1.0
-        row.analytic_acceptance_length = analytic_length(row.alpha, k)
+        if row.schedule == "fixed":  # the analytic length assumes one K for every round
+            row.analytic_acceptance_length = analytic_length(row.alpha, k)
         row.per_position_acceptance = total.per_position_acceptance
     return row
 
@@ -111,7 +109,8 @@ def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
 
 def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool
          ) -> list[BenchRow]:
-    """The variants: a full K sweep at batch 1 (greedy), K=4 elsewhere and for sampling."""
+    """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
+    K=4 for sampling; per drafter also the goodput policy (K chosen per round, up to 4)."""
     rows: list[BenchRow] = []
     k_default = 4 if 4 in ks else ks[len(ks) // 2]
     for bs in batch_sizes:
@@ -120,8 +119,12 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
                 continue
             rule = "exact" if sampling else "greedy"
             rows.append(BenchRow("ours", "baseline", rule, 0, bs, sampling))
-            sweep = ks if (bs == batch_sizes[0] and not sampling) else [k_default]
+            sweep = (ks if bs == batch_sizes[0] else [k for k in ks if k <= k_default]
+                     ) if not sampling else [k_default]
             rows += [BenchRow("ours", d, rule, k, bs, sampling) for d in drafters for k in sweep]
+            if not sampling:
+                rows += [BenchRow("ours", d, rule, k_default, bs, sampling, schedule="auto")
+                         for d in drafters]
             if with_hf and not sampling:
                 rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
                 if bs == 1 and "model" in drafters:
@@ -159,7 +162,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list
                     and r.batch_size == row.batch_size and r.sampling == row.sampling)
         row.speedup_vs_baseline = row.tokens_per_second / base.tokens_per_second
         peer = [r for r in rows if r.variant == "assisted" and r.k == row.k
-                and r.batch_size == row.batch_size]
+                and r.batch_size == row.batch_size and row.schedule == "fixed"]
         if peer and not row.sampling:
             row.speedup_vs_hf_assisted = row.tokens_per_second / peer[0].tokens_per_second
     return rows
@@ -168,22 +171,26 @@ def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list
 def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:
     """Set ``speedup_vs_torch`` on the ours-rows of every other backend (same variant, rule,
     K, batch size) and return {backend: {batch_B: {config: ratio, "geomean": g}}}."""
-    ref = {(r.variant, r.rule, r.k, r.batch_size): r for r in rows
+    ref = {(r.variant, r.rule, r.k, r.batch_size, r.schedule): r for r in rows
            if r.backend == reference and r.system == "ours"}
     out: dict = {}
     for r in rows:
-        base = ref.get((r.variant, r.rule, r.k, r.batch_size))
+        base = ref.get((r.variant, r.rule, r.k, r.batch_size, r.schedule))
         if r.backend == reference or r.system != "ours" or base is None:
             continue
         r.speedup_vs_torch = r.tokens_per_second / base.tokens_per_second
         per_batch = out.setdefault(r.backend, {}).setdefault(f"batch_{r.batch_size}", {})
-        per_batch[f"{r.variant} {r.rule} K={r.k}"] = r.speedup_vs_torch
+        per_batch[f"{r.variant} {r.rule} {k_label(r)}"] = r.speedup_vs_torch
     for per_batch in out.values():
         for ratios in per_batch.values():
             spec = [v for k, v in ratios.items() if not k.startswith("baseline")]
             if spec:
                 ratios["geomean_speculative"] = math.prod(spec) ** (1 / len(spec))
     return out
+
+
+def k_label(row: BenchRow) -> str:
+    return f"K={row.k}" if row.schedule == "fixed" else f"K=auto<={row.k}"
 
 
 def summary(rows: list[BenchRow]) -> dict:
@@ -197,7 +204,8 @@ def summary(rows: list[BenchRow]) -> dict:
             continue
         best = max(spec, key=lambda r: r.tokens_per_second)
         out[f"batch_{bs}"] = {
-            "best": f"{best.variant} K={best.k}",
+            "best": f"{best.variant} {k_label(best)}",
+            "mean_k": best.mean_k,
             "speedup_vs_baseline": best.speedup_vs_baseline,
             "speedup_vs_hf_assisted_same_k": best.speedup_vs_hf_assisted,
             "acceptance_rate": best.acceptance_rate,
@@ -207,16 +215,18 @@ def summary(rows: list[BenchRow]) -> dict:
 
 
 def print_rows(rows: list[BenchRow]) -> None:
-    print(f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':6s} {'K':>2s} {'B':>3s} {'tok/s':>8s} "
-          f"{'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} {'analytic':>8s}")
+    print(f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':6s} {'K':>6s} {'B':>3s} "
+          f"{'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} "
+          f"{'analytic':>8s} {'mean K':>6s}")
     for r in rows:
         def fmt(v, spec):
             return format(v, spec) if v is not None else "-"
-        print(f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:6s} {r.k:2d} {r.batch_size:3d} "
+        k = str(r.k) if r.schedule == "fixed" else f"auto{r.k}"
+        print(f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:6s} {k:>6s} {r.batch_size:3d} "
               f"{r.tokens_per_second:8.1f} {fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
               f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
               f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
-              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s}")
+              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s} {fmt(r.mean_k, '6.2f'):>6s}")
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
@@ -233,7 +243,8 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):
         pts = sorted((r.k, r.speedup_vs_baseline) for r in rows if r.variant == variant
-                     and r.batch_size == bs0 and not r.sampling and r.k)
+                     and r.batch_size == bs0 and not r.sampling and r.k
+                     and r.schedule == "fixed")
         if pts:
             ax1.plot(*zip(*pts, strict=True), marker="o",
                      label=variant if variant != "assisted" else "HF assisted")
@@ -243,7 +254,7 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     ax1.legend()
     for variant in sorted({r.variant for r in rows if r.per_position_acceptance}):
         cands = [r for r in rows if r.variant == variant and r.batch_size == bs0
-                 and not r.sampling and r.per_position_acceptance]
+                 and not r.sampling and r.per_position_acceptance and r.schedule == "fixed"]
         r = max(cands, key=lambda r: r.k)
         ax2.plot(range(1, r.k + 1), r.per_position_acceptance, marker="o",
                  label=f"{variant} K={r.k}")

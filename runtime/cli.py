@@ -11,7 +11,7 @@ import torch
 
 from .correction import RULES, RuleParams
 from .model import Transformer, load_model
-from .speculative import DRAFTERS, Drafter, SpeculativeDecoder
+from .speculative import DRAFTERS, Drafter, SpeculativeDecoder, parse_draft_len_schedule
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 
@@ -344,6 +344,13 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
     print(f"wrote {out / name}")
 
 
+def schedule_arg(text: str) -> dict[int, int] | str:
+    try:
+        return parse_draft_len_schedule(text)
+    except ValueError as e:  # argparse shows this message, naming the option
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def serve_config(args: argparse.Namespace):
     from .serve import ServeConfig
 
@@ -358,7 +365,8 @@ def serve_config(args: argparse.Namespace):
                        max_queue=args.max_queue, max_seq_len=args.max_seq_len,
                        max_input_tokens=args.max_seq_len - 1, rule=args.rule,
                        eos_token_id=eos,
-                       disable_by_batch_size=args.speculative_disable_by_batch_size)
+                       disable_by_batch_size=args.speculative_disable_by_batch_size,
+                       draft_len_schedule=args.draft_len_schedule)
 
 
 def load_model_config_eos(model_dir: str) -> int | None:
@@ -443,18 +451,23 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     levels = int_list(args.concurrency, "concurrency", 1, 256)
     if args.requests < 1:
         raise ValueError(f"requests must be >= 1; got {args.requests}")
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
     prompts = [t[:200] for t in heldout_texts(args.heldout)]
     server = None if args.url else own_server(args)
     url = args.url or server.grpc_url
     try:
-        results = run_loadtest(url, prompts, levels, args.requests, args.max_tokens)
+        results = run_loadtest(url, prompts, levels, args.requests, args.max_tokens,
+                               args.repeats)
     finally:
         if server is not None:
             server.stop()
     data = write_outputs(results, Path(args.out), {
-        "url": url, "requests_per_level": args.requests, "max_tokens": args.max_tokens,
+        "url": url, "requests_per_level": args.requests, "repeats": args.repeats,
+        "max_tokens": args.max_tokens, "engines": args.engines,
         "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter,
-        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size})
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
+        "draft_len_schedule": args.draft_len_schedule})
     print_results(results)
     print(json.dumps(data["summary"], indent=2))
     print(f"wrote {Path(args.out) / 'loadtest.json'} and loadtest.png")
@@ -549,6 +562,11 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                        metavar="N", help="rounds with >= N running requests decode without "
                        "drafts (a saturated device gains nothing from speculation)")
+        s.add_argument("--draft-len-schedule", type=schedule_arg, default=None,
+                       metavar="auto|SIZE:K,...", help="K by running batch size, as "
+                       "TensorRT-LLM's draft_len_schedule (1:4,4:2,8:0 = K 4 below 4 requests, "
+                       "2 below 8, none from 8), or 'auto': per round the K of most expected "
+                       "tokens/s from the running acceptance and round times measured at start")
 
     s = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
     add_server_args(s)
@@ -567,6 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     lt.add_argument("--url", default=None, help="a running server (default: start one)")
     lt.add_argument("--concurrency", default="1,4,8,16")
     lt.add_argument("--requests", type=int, default=32, help="requests per level")
+    lt.add_argument("--repeats", type=int, default=3,
+                    help="run the levels in turn this many times; ratios are medians")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
     lt.add_argument("--out", default="out")

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .correction import RULES, RuleParams
+from .speculative import check_draft_len_schedule
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "triton_repo"
 MODELS = ("preprocessing", "paradraft", "postprocessing", "ensemble")
@@ -51,6 +52,9 @@ class ServeConfig:
     rule_defaults: dict = field(default_factory=dict)
     # rounds with at least this many running requests decode without drafts (None: never)
     disable_by_batch_size: int | None = None
+    # the round's K by batch size: TensorRT-LLM's {threshold: K}, or "auto" (goodput policy,
+    # calibrated when the model loads); None: K every round
+    draft_len_schedule: dict[int, int] | str | None = None
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
@@ -62,6 +66,14 @@ class ServeConfig:
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "
                              f"unset; got {self.disable_by_batch_size!r}")
+        if isinstance(self.draft_len_schedule, dict):  # JSON keys arrive as strings
+            try:
+                self.draft_len_schedule = {int(size): n for size, n
+                                           in self.draft_len_schedule.items()}
+            except ValueError:
+                raise ValueError("draft_len_schedule keys must be batch sizes; got "
+                                 f"{self.draft_len_schedule!r}") from None
+        check_draft_len_schedule(self.draft_len_schedule, self.k)
         if self.max_input_tokens >= self.max_seq_len:
             raise ValueError(f"max_input_tokens must be in [1, {self.max_seq_len - 1}] "
                              f"(below max_seq_len); got {self.max_input_tokens}")
@@ -96,7 +108,10 @@ def build_scheduler(config: ServeConfig):
         verifier, drafter, default_params(config), k=config.k,
         max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
         disable_by_batch_size=config.disable_by_batch_size,
+        draft_len_schedule=config.draft_len_schedule,
     )
+    if config.draft_len_schedule == "auto":
+        decoder.calibrate()  # before the scheduler owns the slots
     return Scheduler(decoder, max_queue=config.max_queue)
 
 

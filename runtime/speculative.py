@@ -49,15 +49,36 @@ class AcceptanceMonitor:
     min_drafted: int = 64
     drafted: float = 0.0
     accepted: float = 0.0
+    reached: float = 0.0  # draft positions reached: accepted + rejections
     alerting: bool = False
     alerts: int = 0
 
-    def update(self, drafted: int, accepted: int) -> None:
+    @property
+    def alpha(self) -> float:
+        """Running per-token acceptance P(accept | position reached) (Leviathan's α), with a
+        prior of 1/2 worth two positions, so that it starts, and relaxes back, at 0.5."""
+        return (self.accepted + 1.0) / (self.reached + 2.0)
+
+    @property
+    def alpha_optimistic(self) -> float:
+        """α plus an uncertainty bonus that shrinks with the evidence (an upper confidence
+        bound): with little evidence a policy keeps drafting, so it keeps measuring."""
+        return min(1.0, self.alpha + 0.5 / (self.reached + 2.0) ** 0.5)
+
+    def relax(self, factor: float) -> None:
+        """Fade the evidence (rounds without drafts): α drifts back to the prior, so a policy
+        that stopped drafting on a low α tries again later."""
+        self.drafted *= factor
+        self.accepted *= factor
+        self.reached *= factor
+
+    def update(self, drafted: int, accepted: int, reached: int | None = None) -> None:
         if not drafted:
             return
         decay = max(0.0, 1.0 - drafted / self.window)
         self.drafted = self.drafted * decay + drafted
         self.accepted = self.accepted * decay + accepted
+        self.reached = self.reached * decay + (drafted if reached is None else reached)
         rate = self.accepted / self.drafted
         if self.drafted >= self.min_drafted and rate < self.floor and not self.alerting:
             self.alerting = True
@@ -66,6 +87,49 @@ class AcceptanceMonitor:
                         self.floor)
         elif rate >= self.floor:
             self.alerting = False
+
+
+def analytic_length(alpha: float, k: int) -> float:
+    """Expected tokens per verify step for per-token acceptance α (Leviathan et al.)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def check_draft_len_schedule(schedule: dict[int, int] | str | None, k: int
+                             ) -> dict[int, int] | str | None:
+    """TensorRT-LLM's ``draft_len_schedule``: {batch-size threshold: K}, the K of the largest
+    threshold <= the running batch size ({1: 4, 4: 2, 8: 0}: K=4 below 4 rows, 2 below 8, no
+    drafts from 8 on); it must hold 1. ``"auto"``: the goodput policy (``goodput_k``)."""
+    if schedule is None or schedule == "auto":
+        return schedule
+    if not isinstance(schedule, dict) or 1 not in schedule:
+        raise ValueError("draft_len_schedule must be 'auto' or a {batch size: K} mapping that "
+                         f"holds batch size 1; got {schedule!r}")
+    for size, n in schedule.items():
+        if not isinstance(size, int) or size < 1 or not isinstance(n, int) or not 0 <= n <= k:
+            raise ValueError(f"draft_len_schedule entries must be batch size >= 1 -> K in "
+                             f"[0, {k}]; got {size!r}: {n!r}")
+    return dict(sorted(schedule.items()))
+
+
+def parse_draft_len_schedule(text: str) -> dict[int, int] | str:
+    """'auto' or '1:4,4:2,8:0' (the CLI form)."""
+    if text == "auto":
+        return text
+    try:
+        return {int(a): int(b) for a, b in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise ValueError("draft_len_schedule must be 'auto' or 'SIZE:K,SIZE:K,...' (e.g. "
+                         f"1:4,4:2,8:0); got {text!r}") from None
+
+
+def goodput_k(round_seconds: list[float], alpha: float) -> int:
+    """The K (index into ``round_seconds``, seconds per round for K = 0, 1, …) with the most
+    expected tokens per second: SmartSpec's goodput, E[tokens per step](α, K) / round time.
+    The batch size scales both alike, so it cancels."""
+    return max(range(len(round_seconds)),
+               key=lambda k: analytic_length(alpha, k) / round_seconds[k])
 
 
 @dataclass
@@ -177,6 +241,11 @@ class SpeculativeDecoder:
     decodes without drafts (vLLM's ``speculative_disable_by_batch_size``): on a saturated
     device a batched plain step is cheaper per token than draft + verify. A separate draft
     model's cache then falls behind; the next drafted round re-feeds the missed tokens.
+    ``draft_len_schedule``: the round's K by batch size, TensorRT-LLM's {threshold: K}, or
+    ``"auto"``: each round takes the K of most expected tokens per second (``goodput_k``) from
+    the running α and round times measured per (batch size, K) on this machine
+    (``calibrate``). A batched verify pass costs more per extra position as the batch grows,
+    so the best K shrinks with the batch (measured here: K=4 at batch 1, K=1 at batch 8).
     """
 
     def __init__(
@@ -192,6 +261,7 @@ class SpeculativeDecoder:
         draft_sampling: bool | None = None,
         acceptance_floor: float = 0.6,
         disable_by_batch_size: int | None = None,
+        draft_len_schedule: dict[int, int] | str | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -215,6 +285,9 @@ class SpeculativeDecoder:
             raise ValueError("disable_by_batch_size must be an integer >= 1 or None; got "
                              f"{disable_by_batch_size!r}")
         self.disable_by_batch_size = disable_by_batch_size
+        self.draft_len_schedule = check_draft_len_schedule(draft_len_schedule, self.k)
+        # "auto": (batch sizes, seconds per round [size, K = 0..k]), measured by calibrate()
+        self.round_seconds: tuple[list[int], Tensor] | None = None
         if not 0.0 <= acceptance_floor <= 1.0:
             raise ValueError(f"acceptance_floor must be in [0, 1]; got {acceptance_floor}")
         self.monitor = AcceptanceMonitor(floor=acceptance_floor)
@@ -282,6 +355,65 @@ class SpeculativeDecoder:
         q = sampling_probs(logits, self.params.temperature, self.params.top_p)
         noise = torch.empty_like(q).exponential_(generator=gen)
         return sample(q, noise), q
+
+    # -- the round's K ---------------------------------------------------------------------
+
+    def round_k(self, slots: list[int]) -> int:
+        """K for a round over ``slots``: the largest of the rows' K, capped by the schedule
+        for this batch size (0: a plain decoding step)."""
+        batch = len(slots)
+        k = max(self.host_k[s] for s in slots) if self.k else 0
+        if self.disable_by_batch_size is not None and batch >= self.disable_by_batch_size:
+            return 0
+        schedule = self.draft_len_schedule
+        if isinstance(schedule, dict):
+            return min(k, schedule[max(size for size in schedule if size <= batch)])
+        if schedule == "auto" and k and self.round_seconds is not None:
+            return goodput_k(self.seconds_per_round(batch)[: k + 1],
+                             self.monitor.alpha_optimistic)
+        return k
+
+    def seconds_per_round(self, batch_size: int) -> list[float]:
+        """Measured seconds per round for K = 0..k at this batch size (linear in between)."""
+        sizes, table = self.round_seconds
+        i = max(j for j, size in enumerate(sizes) if size <= batch_size or j == 0)
+        if i + 1 == len(sizes) or sizes[i] >= batch_size:
+            return table[i].tolist()
+        w = (batch_size - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return ((1 - w) * table[i] + w * table[i + 1]).tolist()
+
+    def calibrate(self, passes: int = 3, rounds: int = 2) -> tuple[list[int], Tensor]:
+        """Time rounds of K = 0..k at batch sizes 1, 2, 4, … up to max_batch_size on dummy
+        requests, and keep each cell's fastest round: a shared machine only ever adds time,
+        and the ``passes`` sweep every cell in turn so a slow spell cannot favour one K. The
+        per-slot state is reset after, so call it before serving. Sets ``round_seconds``."""
+        sizes = sorted({min(2 ** i, self.max_batch_size) for i in range(16)})
+        prompt_len = max(1, min(64, self.max_seq_len // 4))
+        new_tokens = min(rounds * (self.k + 1) + 1, self.max_seq_len - prompt_len)
+        vocab = self.verifier.config.vocab_size
+        prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        # the dummy rounds' acceptance must neither count nor alert
+        monitor, self.monitor = self.monitor, AcceptanceMonitor(floor=0.0)
+        table = torch.full((len(sizes), self.k + 1), float("inf"), dtype=torch.float64)
+        for _ in range(passes):
+            for i, B in enumerate(sizes):
+                slots = list(range(B))
+                for k in range(self.k + 1):
+                    self.reset()
+                    self.prefill(slots, [prompt] * B, [new_tokens] * B, [None] * B, gen)
+                    for _ in range(rounds):
+                        t0 = time.perf_counter()
+                        _, alive = self.step(slots, gen, k=k)
+                        table[i, k] = min(table[i, k].item(), time.perf_counter() - t0)
+                        if not all(alive):
+                            break
+        self.reset()
+        self.monitor = monitor
+        self.round_seconds = (sizes, table)
+        log.info("round seconds by batch size %s (rows) and K 0..%d (columns): %s", sizes,
+                 self.k, table.tolist())
+        return self.round_seconds
 
     # -- per-slot state: rows of a batch are cache slots, so requests can join and leave ----
 
@@ -398,11 +530,15 @@ class SpeculativeDecoder:
                           emitted], 1).tolist()
         for slot, row in zip(rows.tolist(), host, strict=True):
             self.host_lengths[slot], self.host_k[slot] = row[2], row[3]
-        self.monitor.update(sum(row[4] for row in host), sum(row[5] for row in host))
+        # reached positions: the accepted ones plus the rejected one, if any
+        self.monitor.update(sum(row[4] for row in host), sum(row[5] for row in host),
+                            sum(row[5] + (row[5] < row[4]) for row in host))
         return [row[6: 6 + row[0]] for row in host], [bool(row[1]) for row in host]
 
-    def step(self, slots: list[int], gen: torch.Generator) -> tuple[list[list[int]], list[bool]]:
+    def step(self, slots: list[int], gen: torch.Generator, k: int | None = None
+             ) -> tuple[list[list[int]], list[bool]]:
         """One round for the running ``slots``: draft → verify → correct → roll back.
+        ``k``: the round's K (default: ``round_k``; 0: no drafts).
         Returns, per slot, the tokens it gained and whether it is still running."""
         t_start = time.perf_counter()
         dev = self.device
@@ -412,17 +548,15 @@ class SpeculativeDecoder:
         cache_rows = None if slots == list(range(len(slots))) else rows
         lengths = self.lengths[rows]
         k_max = self.k
-        # the round drafts the largest K of its rows; each row stops at its own K
-        # (adaptive K, or a per-request num_draft_tokens)
+        # the round drafts the largest K of its rows (capped by the schedule); each row stops
+        # at its own K (adaptive K, or a per-request num_draft_tokens)
         k_rows = self.k_rows[rows]
-        k = max(self.host_k[s] for s in slots)
+        k = self.round_k(slots) if k is None else min(k, k_max)
         # attend over the live part of the cache only (host-side bound: no sync needed)
         bound = max(self.host_lengths[s] for s in slots) + 2 * k_max + 2
         tokens = self.tokens[rows]
         t0 = time.perf_counter()
-        speculate = k_max and (self.disable_by_batch_size is None
-                               or len(slots) < self.disable_by_batch_size)
-        if speculate:
+        if k:
             missed = max(self.draft_missed[s] for s in slots)
             draft_tokens, draft_probs = self._draft(tokens, lengths, k, bound, gen, cache_rows,
                                                     missed)
@@ -432,6 +566,8 @@ class SpeculativeDecoder:
             if self.draft_cache is not None:
                 for s in slots:
                     self.draft_missed[s] += 1
+            if self.draft_len_schedule == "auto":
+                self.monitor.relax(0.97)
             draft_tokens = torch.zeros(len(slots), 0, dtype=torch.long, device=dev)
             draft_probs = None
         t1 = time.perf_counter()
@@ -511,6 +647,8 @@ class SpeculativeDecoder:
             max_new_tokens = [max_new_tokens] * B
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
+        if self.draft_len_schedule == "auto" and self.k and self.round_seconds is None:
+            self.calibrate()
         self.reset()
         gen = torch.Generator(device=self.device).manual_seed(seed)
         slots = list(range(B))

@@ -174,3 +174,22 @@ def test_exact_speculative_decoding_matches_the_verifier_joint_distribution(mode
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("schedule", [{1: 4, 3: 2, 6: 0}, "auto"])
+def test_draft_len_schedules_stay_lossless(models, baseline, schedule):
+    # rows finish at different rounds, so the batch shrinks through every schedule entry
+    verifier, draft, _, hf = models
+    lengths = [4, 8, 12, 16, 18, 20, 22, NEW_TOKENS]
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=4,
+                             max_batch_size=8, draft_len_schedule=schedule)
+    result = dec.generate(prompts(), lengths)
+    for p, got, want, n in zip(prompts(), result.token_ids, baseline, lengths, strict=True):
+        assert_equal_or_numerical_tie(hf, p, got, want[:n])
+    if schedule == "auto":
+        sizes, table = dec.round_seconds  # measured by generate() before the first round
+        assert sizes == [1, 2, 4, 8] and table.shape == (4, 5) and bool((table > 0).all())
+    else:
+        last = result.row_stats[-1]  # alone at the end: K=4; with >= 6 rows: no drafts
+        assert 0 < last.num_drafts < last.verify_steps
+        assert last.draft_tokens <= 4 * last.num_drafts
