@@ -4,12 +4,15 @@ For each concurrency level a fixed number of requests is sent by that many clien
 (each sends its next request when the previous one finished), so the run stops by itself.
 Reports output tokens/s, time to first token and inter-token latency (p50/p99), errors,
 lost requests (sent but never answered) and acceptance. Ratios between levels come from one
-run against one server.
+run against one server; with ``repeats`` > 1 the levels are run in turn (c1, c4, … c1, c4, …)
+so a slow spell of a shared machine hits every level alike, and the reported ratio is the
+median of the per-repeat ratios.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +26,7 @@ from .serve import complete
 @dataclass
 class LevelResult:
     concurrency: int
+    repeat: int
     requests: int
     answered: int
     errors: int
@@ -46,7 +50,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-              progress: tqdm | None = None) -> LevelResult:
+              progress: tqdm | None = None, repeat: int = 0) -> LevelResult:
     jobs = list(range(requests))
     lock = threading.Lock()
     results, errors = [], []
@@ -87,7 +91,8 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
     drafted = sum(r.total_draft_tokens for r in results)
     accepted = sum(r.total_accepted_draft_tokens for r in results)
     return LevelResult(
-        concurrency=concurrency, requests=requests, answered=len(results) + len(errors),
+        concurrency=concurrency, repeat=repeat, requests=requests,
+        answered=len(results) + len(errors),
         errors=len(errors), lost=requests - len(results) - len(errors), output_tokens=tokens,
         seconds=seconds, tokens_per_second=tokens / seconds,
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
@@ -98,35 +103,59 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
 
 
 def run_loadtest(url: str, prompts: list[str], levels: list[int], requests: int,
-                 max_tokens: int) -> list[LevelResult]:
+                 max_tokens: int, repeats: int = 1) -> list[LevelResult]:
+    """Every level ``repeats`` times, the levels in turn; results in run order."""
     complete(url, prompts[0], 4)  # warm-up
     out = []
-    with tqdm(total=requests * len(levels), desc="loadtest", unit="req") as bar:
-        for c in levels:
-            out.append(run_level(url, prompts, c, requests, max_tokens, bar))
+    with tqdm(total=requests * len(levels) * repeats, desc="loadtest", unit="req") as bar:
+        for r in range(repeats):
+            for c in levels:
+                out.append(run_level(url, prompts, c, requests, max_tokens, bar, r))
+    return out
+
+
+def summarize(results: list[LevelResult]) -> dict:
+    """Per level: median tokens/s over repeats and its range; per level above the first:
+    the median over repeats of its tokens/s over the first level's in the same repeat."""
+    levels = list(dict.fromkeys(r.concurrency for r in results))
+    tps = {c: {r.repeat: r.tokens_per_second for r in results if r.concurrency == c}
+           for c in levels}
+    base = levels[0]
+    out: dict = {}
+    for c in levels[1:]:
+        ratios = [tps[c][i] / tps[base][i] for i in tps[c] if i in tps[base]]
+        out[f"c{c}_vs_c{base}"] = statistics.median(ratios)
+        if len(ratios) > 1:
+            out[f"c{c}_vs_c{base}_per_repeat"] = ratios
+    out["tokens_per_second_median"] = {f"c{c}": statistics.median(tps[c].values())
+                                       for c in levels}
+    out["errors"] = sum(r.errors for r in results)
+    out["lost"] = sum(r.lost for r in results)
     return out
 
 
 def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = results[0].tokens_per_second
-    summary = {f"c{r.concurrency}_vs_c{results[0].concurrency}": r.tokens_per_second / base
-               for r in results[1:]}
-    data = {"meta": meta, "summary": summary, "levels": [asdict(r) for r in results]}
+    data = {"meta": meta, "summary": summarize(results), "levels": [asdict(r) for r in results]}
     (out_dir / "loadtest.json").write_text(json.dumps(data, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    c = [r.concurrency for r in results]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a1.plot(c, [r.tokens_per_second for r in results], marker="o")
+    for rep in sorted({r.repeat for r in results}):
+        runs = [r for r in results if r.repeat == rep]
+        a1.plot([r.concurrency for r in runs], [r.tokens_per_second for r in runs], marker="o",
+                label=f"repeat {rep + 1}")
     a1.set(xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
-    a2.plot(c, [r.ttft_p50_ms for r in results], marker="o", label="TTFT p50")
-    a2.plot(c, [r.ttft_p99_ms for r in results], marker="o", label="TTFT p99")
-    a2.plot(c, [r.itl_p50_ms for r in results], marker="s", label="ITL p50")
-    a2.plot(c, [r.itl_p99_ms for r in results], marker="s", label="ITL p99")
+    a1.legend()
+    runs = [r for r in results if r.repeat == 0]
+    c = [r.concurrency for r in runs]
+    a2.plot(c, [r.ttft_p50_ms for r in runs], marker="o", label="TTFT p50")
+    a2.plot(c, [r.ttft_p99_ms for r in runs], marker="o", label="TTFT p99")
+    a2.plot(c, [r.itl_p50_ms for r in runs], marker="s", label="ITL p50")
+    a2.plot(c, [r.itl_p99_ms for r in runs], marker="s", label="ITL p99")
     a2.set(xlabel="concurrent streams", ylabel="ms", title="latency", yscale="log")
     a2.legend()
     fig.tight_layout()
@@ -136,9 +165,9 @@ def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict
 
 
 def print_results(results: list[LevelResult]) -> None:
-    print(f"{'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} {'tok/s':>8s} {'TTFT p50':>9s} "
-          f"{'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s}")
+    print(f"{'rep':>3s} {'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} {'tok/s':>8s} "
+          f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s}")
     for r in results:
-        print(f"{r.concurrency:4d} {r.requests:4d} {r.errors:3d} {r.lost:4d} "
+        print(f"{r.repeat + 1:3d} {r.concurrency:4d} {r.requests:4d} {r.errors:3d} {r.lost:4d} "
               f"{r.tokens_per_second:8.1f} {r.ttft_p50_ms:8.0f}ms {r.ttft_p99_ms:6.0f}ms "
               f"{r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms {r.acceptance_rate:6.2f}")

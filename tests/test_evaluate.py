@@ -129,3 +129,19 @@ def test_shipped_models_match_transformers(name):
     with torch.no_grad():
         ref = theirs(tokens).logits
     assert (logits - ref).abs().max() < 1e-4
+
+
+def test_loadtest_summary_is_the_median_of_per_repeat_ratios():
+    from paradraft.runtime.loadtest import LevelResult, summarize
+
+    def level(c, rep, tps):
+        return LevelResult(c, rep, 4, 4, 0, 0, int(tps), 1.0, tps, 0, 0, 0, 0, 0.5, [])
+
+    # repeat 2 is a slow spell for both levels: the ratio survives it, a mean of tok/s would not
+    results = [level(1, 0, 100), level(8, 0, 320), level(1, 1, 50), level(8, 1, 140),
+               level(1, 2, 100), level(8, 2, 290)]
+    s = summarize(results)
+    assert s["c8_vs_c1_per_repeat"] == pytest.approx([3.2, 2.8, 2.9])
+    assert s["c8_vs_c1"] == pytest.approx(2.9)
+    assert s["tokens_per_second_median"] == {"c1": 100, "c8": 290}
+    assert (s["errors"], s["lost"]) == (0, 0)

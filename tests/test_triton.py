@@ -270,3 +270,19 @@ def test_custom_metrics_move(server):
         assert after[name] > before.get(name, 0), name
     assert "paradraft_rollbacks_total" in after and "paradraft_queue_depth" in after
     assert after["paradraft_active_sequences"] == 0
+
+
+def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
+    from paradraft.runtime.loadtest import run_loadtest, write_outputs
+
+    srv, _ = server
+    results = run_loadtest(srv.grpc_url, PROMPTS, [1, 2], requests=3, max_tokens=6, repeats=2)
+    # levels in turn: c1, c2, c1, c2
+    assert [(r.repeat, r.concurrency) for r in results] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for r in results:
+        assert (r.answered, r.errors, r.lost) == (3, 0, 0), r.error_messages
+        assert r.output_tokens == 3 * 6 and r.tokens_per_second > 0
+    data = write_outputs(results, tmp_path, {})
+    ratios = [results[i + 1].tokens_per_second / results[i].tokens_per_second for i in (0, 2)]
+    assert data["summary"]["c2_vs_c1_per_repeat"] == pytest.approx(ratios)
+    assert (tmp_path / "loadtest.png").stat().st_size > 0
