@@ -15,7 +15,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
           "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha", "epsilon",
           "delta")
-LENGTH_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17]
+LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 17.0]
 
 
 class Metrics:
@@ -42,19 +42,31 @@ class Metrics:
                              "sequences in the running batch").Metric(labels=labels)
         self.queued = family("paradraft_queue_depth", gauge,
                              "requests waiting for a slot").Metric(labels=labels)
+        self.last_state = None
         kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
         self.length_hist = None
         self.length_counts = None
         if kind is not None:
+            # per request, not per step: a metric update is a round trip to the server
+            # process, too dear for every request in every round
             self.length_hist = family(
                 "paradraft_acceptance_length", kind,
-                "tokens gained per verify step (accepted + 1)").Metric(
-                    labels=labels, buckets=[float(b) for b in LENGTH_BUCKETS])
+                "per finished request: its tokens gained per verify step (accepted + 1)"
+            ).Metric(labels=labels, buckets=LENGTH_BUCKETS)
         else:  # older Python backends: one counter per length, labelled like buckets
             fam = family("paradraft_acceptance_length_count", counter,
-                         "verify steps per number of tokens gained")
+                         "finished requests by tokens gained per verify step")
             self.length_counts = {b: fam.Metric(labels={**labels, "length": str(b)})
                                   for b in LENGTH_BUCKETS}
+
+    def set_state(self, state):
+        """The active / queue gauges, sent only when they change: every metric call is a
+        round trip from this stub to the server process, and these are called per response."""
+        now = (state["active"], state["queued"])
+        if now != self.last_state:
+            self.active.set(now[0])
+            self.queued.set(now[1])
+            self.last_state = now
 
     def observe_length(self, n):
         if self.length_hist is not None:
@@ -115,11 +127,10 @@ class TritonPythonModel:
 
         def on_tokens(new):
             tokens.extend(new)
-            metrics.observe_length(len(new))
-            state = scheduler.stats()
-            metrics.active.set(state["active"])
-            metrics.queued.set(state["queued"])
-            if parsed.stream and not sender.is_cancelled():
+            metrics.set_state(scheduler.stats())
+            # the scheduler dropped cancelled requests just before this round: no second
+            # is_cancelled() round trip here
+            if parsed.stream:
                 sender.send(response(False, None))
 
         def on_done(stats, error):
@@ -134,11 +145,10 @@ class TritonPythonModel:
                     metrics.accepted.increment(stats.accepted_tokens)
                     metrics.rollbacks.increment(stats.rollbacks)
                     metrics.requests.increment(1)
+                    metrics.observe_length(stats.mean_acceptance_length)
                     sender.send(response(True, stats), flags=FINAL)
             finally:
-                state = scheduler.stats()
-                metrics.active.set(state["active"])
-                metrics.queued.set(state["queued"])
+                metrics.set_state(scheduler.stats())
 
         return self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                             on_done, num_draft_tokens=parsed.num_draft_tokens,
