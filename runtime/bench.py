@@ -161,11 +161,18 @@ def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list
         base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
                     and r.batch_size == row.batch_size and r.sampling == row.sampling)
         row.speedup_vs_baseline = row.tokens_per_second / base.tokens_per_second
-        peer = [r for r in rows if r.variant == "assisted" and r.k == row.k
-                and r.batch_size == row.batch_size and row.schedule == "fixed"]
-        if peer and not row.sampling:
-            row.speedup_vs_hf_assisted = row.tokens_per_second / peer[0].tokens_per_second
+    compare_hf(rows)
     return rows
+
+
+def compare_hf(rows: list[BenchRow]) -> None:
+    """Each greedy fixed-K row over transformers' assisted generation at the same K and batch
+    size (the peers run once, with the first backend; every backend is compared to them)."""
+    peers = {(r.k, r.batch_size): r for r in rows if r.variant == "assisted"}
+    for row in rows:
+        peer = peers.get((row.k, row.batch_size))
+        if peer and not row.sampling and row.schedule == "fixed":
+            row.speedup_vs_hf_assisted = row.tokens_per_second / peer.tokens_per_second
 
 
 def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:
@@ -194,8 +201,17 @@ def k_label(row: BenchRow) -> str:
 
 
 def summary(rows: list[BenchRow]) -> dict:
-    """Best speculative config per batch size (greedy) and how it compares."""
-    rows = [r for r in rows if r.backend == rows[0].backend]  # the first backend's rows
+    """Best speculative config per batch size (greedy) and how it compares: for the first
+    backend at the top level, and per backend under "backends" when there are several."""
+    backends = list(dict.fromkeys(r.backend for r in rows if r.system == "ours"))
+    out = best_configs([r for r in rows if r.backend == backends[0]])
+    if len(backends) > 1:
+        out["backends"] = {b: best_configs([r for r in rows if r.backend == b])
+                           for b in backends}
+    return out
+
+
+def best_configs(rows: list[BenchRow]) -> dict:
     out = {}
     for bs in sorted({r.batch_size for r in rows}):
         spec = [r for r in rows if r.system == "ours" and r.variant != "baseline"
@@ -203,6 +219,9 @@ def summary(rows: list[BenchRow]) -> dict:
         if not spec:
             continue
         best = max(spec, key=lambda r: r.tokens_per_second)
+        # the best fixed-K config that has a transformers peer at its K
+        peered = [r for r in spec if r.speedup_vs_hf_assisted is not None]
+        best_vs_hf = max(peered, key=lambda r: r.speedup_vs_hf_assisted, default=None)
         out[f"batch_{bs}"] = {
             "best": f"{best.variant} {k_label(best)}",
             "mean_k": best.mean_k,
@@ -211,6 +230,11 @@ def summary(rows: list[BenchRow]) -> dict:
             "acceptance_rate": best.acceptance_rate,
             "mean_acceptance_length": best.mean_acceptance_length,
         }
+        if best_vs_hf is not None:
+            out[f"batch_{bs}"]["best_vs_hf_assisted"] = {
+                "config": f"{best_vs_hf.variant} {k_label(best_vs_hf)}",
+                "speedup_vs_hf_assisted_same_k": best_vs_hf.speedup_vs_hf_assisted,
+                "speedup_vs_baseline": best_vs_hf.speedup_vs_baseline}
     return out
 
 

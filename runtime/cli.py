@@ -260,7 +260,14 @@ def bench_engines(args: argparse.Namespace, tmp: str) -> tuple[object, dict[str,
 def cmd_bench(args: argparse.Namespace) -> None:
     import tempfile
 
-    from .bench import compare_backends, print_rows, run_bench, summary, write_outputs
+    from .bench import (
+        compare_backends,
+        compare_hf,
+        print_rows,
+        run_bench,
+        summary,
+        write_outputs,
+    )
 
     backends = args.backends.split(",")
     if not backends or any(b not in ("torch", "onnx") for b in backends):
@@ -284,6 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             for r in backend_rows:
                 r.backend = backend
             rows += backend_rows
+    compare_hf(rows)  # every backend against the transformers peers (run once)
     ratios = compare_backends(rows)
     meta = {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),

@@ -94,6 +94,10 @@ def test_bench_end_to_end_writes_well_formed_json(tmp_path):
             assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert 1.0 <= row["mean_acceptance_length"] <= row["k"] + 1
             assert len(row["per_position_acceptance"]) == row["k"]
+            assert 0.0 <= row["mean_k"] <= row["k"]
+    # the goodput policy runs once per drafter and batch size, next to the fixed-K rows
+    auto = [(r["variant"], r["batch_size"]) for r in data["rows"] if r["schedule"] == "auto"]
+    assert sorted(auto) == sorted((d, b) for d in ("model", "parallel", "self") for b in (1, 2))
     assert set(data["summary"]) == {"batch_1", "batch_2"}
 
 

@@ -179,6 +179,12 @@ def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
     onnx_rows = [row for row in data["rows"] if row["backend"] == "onnx"]
     assert all(row["speedup_vs_torch"] > 0 for row in onnx_rows)
     assert "geomean_speculative" in data["meta"]["vs_torch"]["onnx"]["batch_1"]
+    # the best config per backend, each with its own ratio over its own baseline
+    for backend in ("torch", "onnx"):
+        best = data["summary"]["backends"][backend]["batch_1"]
+        rows = [row for row in data["rows"] if row["backend"] == backend
+                and row["variant"] != "baseline" and not row["sampling"]]
+        assert best["speedup_vs_baseline"] == max(row["speedup_vs_baseline"] for row in rows)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
