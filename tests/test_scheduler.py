@@ -98,6 +98,28 @@ def test_serve_config_validates_its_limits():
                         (dict(rule="best"), "rule must be one of"),
                         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
                         (dict(disable_by_batch_size=0),
-                         "speculative_disable_by_batch_size must be an integer >= 1")]:
+                         "speculative_disable_by_batch_size must be an integer >= 1"),
+                        (dict(draft_len_schedule={"4": 2}), "holds batch size 1"),
+                        (dict(draft_len_schedule={"one": 2}), "keys must be batch sizes"),
+                        (dict(k=2, draft_len_schedule={1: 3}), r"K in \[0, 2\]")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig("verifier", "draft", **kw)
+    # the model repository carries the config as JSON, whose keys are strings
+    config = ServeConfig("verifier", "draft", draft_len_schedule={"1": 4, "8": 1})
+    assert config.draft_len_schedule == {1: 4, 8: 1}
+
+
+def test_server_scheduler_calibrates_the_auto_schedule_before_serving(pair):
+    from paradraft.runtime.serve import ServeConfig, build_scheduler
+
+    config = ServeConfig(pair[0], pair[1], k=2, max_slots=2, max_seq_len=64,
+                         max_input_tokens=32, draft_len_schedule="auto")
+    scheduler = build_scheduler(config)
+    try:
+        sizes, table = scheduler.decoder.round_seconds
+        assert sizes == [1, 2] and table.shape == (2, 3)
+        # the calibration left every slot free and the decoder ready
+        out, done, result = collect(scheduler, [5, 6, 7], 8, RuleParams("greedy"))
+        assert done.wait(60) and result["error"] is None and len(out) == 8
+    finally:
+        scheduler.stop()
