@@ -97,19 +97,24 @@ class Scheduler:
 
     def _admit(self) -> list[tuple[int, Request]]:
         """Take queued requests that fit: free slots, same parameters as the running batch."""
+        admitted, dropped = [], []
         with self.lock:
             while not self.queue and not self.running and not self.stopping:
                 self.lock.wait()
-            admitted = []
             while self.queue and self.free:
                 head = self.queue[0]
+                if head.is_cancelled():  # stopped while it waited: it never starts
+                    dropped.append(self.queue.popleft())
+                    continue
                 current = (next(iter(self.running.values())).params if self.running
                            else admitted[0][1].params if admitted else None)
                 if current is not None and head.params != current:
                     break  # waits for the running batch to drain
                 self.queue.popleft()
                 admitted.append((self.free.pop(0), head))
-            return admitted
+        for req in dropped:  # outside the lock: the callback talks to the client
+            req.on_done(None, None)
+        return admitted
 
     def _loop(self) -> None:
         while True:

@@ -358,6 +358,34 @@ class Completion:
     chunk_tokens: list[int]  # tokens each response carried (from sequence_length)
 
 
+def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
+    """End the running or queued request ``request_id`` (TensorRT-LLM's ``stop`` input: the
+    same id, through the ensemble); raises RuntimeError with the server's message if none."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    inputs = request_inputs(" ", 1, False)  # the ensemble's required inputs; unused
+    stop = grpcclient.InferInput("stop", [1, 1], "BOOL")
+    stop.set_data_from_numpy(np.array([[True]]))
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("ensemble", [*inputs, stop], request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
     """tritonclient.grpc InferInput list for the ensemble (shapes with the batch dim 1)."""
     import tritonclient.grpc as grpcclient
@@ -390,8 +418,10 @@ def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
 
 
 def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
-             on_text=None, timeout: float = 300, **optional) -> Completion:
-    """One completion over gRPC streaming (the API decoupled models need)."""
+             on_text=None, timeout: float = 300, request_id: str = "",
+             **optional) -> Completion:
+    """One completion over gRPC streaming (the API decoupled models need). ``request_id``
+    names it for ``stop_request``."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -405,7 +435,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer("ensemble", request_inputs(prompt, max_tokens, stream,
                                                              **optional),
-                                  enable_empty_final_response=True)
+                                  request_id=request_id, enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:

@@ -190,6 +190,47 @@ def test_cancelled_streams_free_their_slots(server):
     assert all(b is not None and b.text for b in burst)
 
 
+def test_stop_request_through_the_ensemble_frees_the_slot(server):
+    """TensorRT-LLM's way: a request with the same request id and ``stop`` true. Unlike a
+    client's stream cancellation it passes through the ensemble on Triton 2.51."""
+    srv, _ = server
+    before = metrics(srv)
+    # every slot busy with a long stream, one more request waiting in the queue
+    ids = [f"long-{i}" for i in range(SLOTS + 1)]
+    outcome = {}
+
+    def run(rid):
+        try:
+            outcome[rid] = serve.complete(srv.grpc_url, "def long_function():", 280,
+                                          stream=True, request_id=rid, end_id=-1)
+        except Exception as e:  # recorded for the assertion below
+            outcome[rid] = e
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while metrics(srv).get("paradraft_active_sequences", 0) < SLOTS:
+        assert time.monotonic() < deadline, "the long requests did not start"
+        time.sleep(0.1)
+    for rid in ids:
+        serve.stop_request(srv.grpc_url, rid)
+    for t in threads:
+        t.join(60)
+    # each stopped stream (the queued one too) ended with a final response, early
+    for rid in ids:
+        assert not isinstance(outcome[rid], Exception), outcome[rid]
+        assert sum(outcome[rid].chunk_tokens) < 280, rid
+    deadline = time.monotonic() + 30
+    while metrics(srv).get("paradraft_active_sequences", 1) > 0:
+        assert time.monotonic() < deadline, "stopped requests still hold their slots"
+        time.sleep(0.2)
+    assert metrics(srv)["paradraft_requests_total"] == before.get("paradraft_requests_total", 0)
+    with pytest.raises(RuntimeError, match="no request with id 'nobody'"):
+        serve.stop_request(srv.grpc_url, "nobody")
+    assert serve.complete(srv.grpc_url, PROMPTS[0], 8).text
+
+
 HOSTILE = {
     "empty text": ([("text_input", b"", "BYTES", np.object_),
                     ("max_tokens", 8, "INT32", np.int32)], "text_input is empty"),

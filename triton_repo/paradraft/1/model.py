@@ -89,26 +89,54 @@ class TritonPythonModel:
             self.config = serve.ServeConfig(**json.load(f))
         self.scheduler = serve.build_scheduler(self.config)
         self.metrics = Metrics()
+        self.live = {}  # request id -> its stop flag, for requests running or queued
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
+                stop = pb_utils.get_input_tensor_by_name(request, "stop")
+                if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+                    self.stop(request.request_id(), sender)
+                    continue
                 inputs = {}
                 for name in INPUTS:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 parsed = self.serve.parse_request(inputs, self.config)
-                self.scheduler.submit(self.make_request(parsed, sender))
+                self.scheduler.submit(self.make_request(parsed, sender,
+                                                        request.request_id()))
             except (ValueError, self.QueueFull) as e:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
                             flags=FINAL)
         return None
 
-    def make_request(self, parsed, sender):
-        tokens, sent = [], [0]
-        metrics, scheduler = self.metrics, self.scheduler
+    def stop(self, request_id, sender):
+        """TensorRT-LLM's way to end a request: the same request id with ``stop`` true. It
+        reaches this model through the ensemble, which a client's stream cancellation does
+        not on Triton 2.51. The stopped request ends with a final response; so does this."""
+        if not request_id:
+            raise ValueError("stop needs the id of the request to stop (set request_id)")
+        stopped = self.live.get(request_id)
+        if stopped is None:
+            raise ValueError(f"stop: no request with id {request_id!r} is running or queued")
+        stopped[0] = True  # the scheduler drops it at its next cancellation check
+        empty = np.zeros((1, 0), dtype=np.int32)
+        zero = np.zeros((1, 1), dtype=np.int32)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("output_ids", empty), pb_utils.Tensor("prev_length", zero),
+            pb_utils.Tensor("is_final", np.ones((1, 1), dtype=np.bool_)),
+            pb_utils.Tensor("acceptance_rate", np.zeros((1, 1), dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", zero),
+            pb_utils.Tensor("total_draft_tokens", zero),
+            pb_utils.Tensor("sequence_length", zero)]), flags=FINAL)
+
+    def make_request(self, parsed, sender, request_id=""):
+        tokens, sent, stopped = [], [0], [False]
+        metrics, scheduler, live = self.metrics, self.scheduler, self.live
+        if request_id:
+            live[request_id] = stopped  # a later request with the same id takes it over
 
         def response(final, stats):
             accepted, drafted = (stats.accepted_tokens, stats.draft_tokens) if stats else (0, 0)
@@ -134,6 +162,8 @@ class TritonPythonModel:
                 sender.send(response(False, None))
 
         def on_done(stats, error):
+            if request_id and live.get(request_id) is stopped:
+                del live[request_id]
             try:
                 if error is not None:
                     sender.send(pb_utils.InferenceResponse(
@@ -153,7 +183,7 @@ class TritonPythonModel:
         return self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                             on_done, num_draft_tokens=parsed.num_draft_tokens,
                             seed=parsed.seed, eos_token_id=parsed.eos_token_id,
-                            is_cancelled=sender.is_cancelled)
+                            is_cancelled=lambda: stopped[0] or sender.is_cancelled())
 
     def finalize(self):
         self.scheduler.stop()
