@@ -270,8 +270,13 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
                      and r.batch_size == bs0 and not r.sampling and r.k
                      and r.schedule == "fixed")
         if pts:
-            ax1.plot(*zip(*pts, strict=True), marker="o",
-                     label=variant if variant != "assisted" else "HF assisted")
+            line, = ax1.plot(*zip(*pts, strict=True), marker="o",
+                             label=variant if variant != "assisted" else "HF assisted")
+            auto = [r for r in rows if r.variant == variant and r.batch_size == bs0
+                    and r.schedule == "auto"]
+            if auto:  # the goodput policy picks K per round: a level, not a point on the axis
+                ax1.axhline(auto[0].speedup_vs_baseline, color=line.get_color(), ls="--",
+                            lw=1, label=f"{variant} auto K (mean {auto[0].mean_k:.1f})")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over our AR baseline",
             title=f"speed-up vs K (batch {bs0}, greedy)")
