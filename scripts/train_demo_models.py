@@ -324,7 +324,17 @@ def pretokenize(cfg: RunConfig, tok: object, root: Path, train: list[str],
 
 
 def load_tokens(cfg: RunConfig, name: str) -> np.ndarray:
-    return np.load(cfg.work / f"tokens_{name}.npy")
+    path = cfg.work / f"tokens_{name}.npy"
+    shipped = cfg.out / "verifier" / "tokenizer.json"
+    if not path.exists() and shipped.exists():
+        # a fresh clone ships the models but not .work: re-encode with the shipped tokenizer
+        # (later stages can then run on their own, e.g. another selfdistill round)
+        from tokenizers import Tokenizer
+
+        train, heldout = split_files(cfg)
+        pretokenize(cfg, Tokenizer.from_file(str(shipped)),
+                    Path(load_json(cfg.out / "split.json")["stdlib_dir"]), train, heldout)
+    return np.load(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -880,6 +890,14 @@ def train_selfdistill(cfg: RunConfig) -> None:
         result = train_loop(cfg, stage, model, loss_fn)
         save_model(cfg, model, name)
         update_metrics(cfg, f"selfdistill_{name}", result)
+        # each run of this stage continues from the folder's weights: keep every round
+        rounds = load_json(cfg.out / "training_metrics.json").get("selfdistill_rounds", [])
+        update_metrics(cfg, "selfdistill_rounds", [*rounds, {
+            "model": name, "batches": int(sd.extra["batches"]), "lr": sd.lr,
+            "steps": result["steps"], "tokens_seen": result["tokens_seen"],
+            "wall_seconds": result["wall_seconds"],
+            "agreement_ema": result["final_train_scalars_ema"],
+            "command": "python scripts/train_demo_models.py " + " ".join(sys.argv[1:])}])
 
 
 # --------------------------------------------------------------------------------------------
@@ -1163,7 +1181,10 @@ def model_card(m: dict) -> str:
           if f"selfdistill_{k}" in m}
     if sd:
         h = next(iter(sd.values()))["hyperparameters"]
-        rows, extra = h["batch_size"] * 4, h["extra"]
+        rows, extra = h["batch_size"] * 4, dict(h["extra"])
+        # the largest trajectory set any round used (rounds only ever extend it)
+        extra["batches"] = max([extra["batches"], *(r["batches"] for r in
+                                                    m.get("selfdistill_rounds", []))])
         lines += [
             "",
             "### self-distillation (both drafts, after the stages above)",
@@ -1177,16 +1198,27 @@ def model_card(m: dict) -> str:
             "KL(verifier || draft) at every position plus "
             f"{extra['hard_weight']} x CE towards the verifier's greedy token on the generated "
             "positions (the parallel draft with PARD masking, cut inside the continuation). "
-            f"Batch {h['batch_size']}, peak LR {h['lr']}.",
+            f"Batch {h['batch_size']}; peak LR per round below.",
             "",
-            "| model | steps | tokens seen | wall | greedy agreement on trajectories (EMA) |",
-            "|---|---|---|---|---|",
+            "Each run of the stage continues from the folder's weights; the shipped drafts went "
+            "through the rounds below in order (the commands are in `training_metrics.json`; a "
+            "round with more trajectory batches extends the cached set, whose batch i depends "
+            "only on the seed and i).",
+            "",
+            "| round | model | trajectory batches | peak LR | steps | tokens seen | wall | "
+            "greedy agreement on trajectories (EMA) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for key, r in sd.items():
-            sc = r["final_train_scalars_ema"]
+        rounds = m.get("selfdistill_rounds") or [
+            {"model": key, "batches": extra["batches"], "lr": h["lr"], "steps": r["steps"],
+             "tokens_seen": r["tokens_seen"], "wall_seconds": r["wall_seconds"],
+             "agreement_ema": r["final_train_scalars_ema"]} for key, r in sd.items()]
+        for i, r in enumerate(rounds):
+            sc = r["agreement_ema"]
             agree = f"next {sc.get('agree_gen')}" + (
                 f", masks {sc['agree_mask']}" if "agree_mask" in sc else "")
-            lines.append(f"| `{key}` | {r['steps']} | {r['tokens_seen']:,} | "
+            lines.append(f"| {i // 2 + 1} | `{r['model']}` | {r['batches']} | {r['lr']} | "
+                         f"{r['steps']} | {r['tokens_seen']:,} | "
                          f"{r['wall_seconds'] / 60:.1f} min | {agree} |")
     ag = m.get("agreement")
     if ag:
@@ -1245,6 +1277,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     ap.add_argument("--selfdistill-minutes", type=float, default=40.0,
                     help="fine-tuning budget on verifier trajectories (split draft/parallel)")
     ap.add_argument("--selfdistill-steps", type=int, default=None)
+    ap.add_argument("--selfdistill-batches", type=int, default=160,
+                    help="verifier trajectory batches (32 rows each; cached, extendable)")
+    ap.add_argument("--selfdistill-lr", type=float, default=1e-3)
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=2, help="max torch intra-op threads")
     ap.add_argument("--no-thread-tuning", action="store_true",
@@ -1263,8 +1298,9 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
                              lr=1.5e-3, warmup_steps=30,
                              extra={"ce_weight": 0.1, "mask_weight": 1.0}),
         selfdistill=StageConfig("selfdistill", a.selfdistill_minutes, a.selfdistill_steps,
-                                batch_size=8, lr=1e-3, warmup_steps=20,
-                                extra={"batches": 160, "new_tokens": 96, "hard_weight": 1.0}),
+                                batch_size=8, lr=a.selfdistill_lr, warmup_steps=20,
+                                extra={"batches": a.selfdistill_batches, "new_tokens": 96,
+                                       "hard_weight": 1.0}),
     )
 
 
