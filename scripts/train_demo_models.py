@@ -394,8 +394,12 @@ def save_model(cfg: RunConfig, model: torch.nn.Module, name: str) -> Path:
     conf["torch_dtype"] = "float16"
     conf["rope_theta"] = float(model.config.rope_parameters["rope_theta"])
     save_json(out_dir / "config.json", conf)
+    # the tokenizer stage's files, or (a later stage run in a fresh clone) the shipped ones
+    tok_dir = cfg.work / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        tok_dir = cfg.out / "verifier"
     for fname in TOKENIZER_FILES:
-        (out_dir / fname).write_bytes((cfg.work / "tokenizer" / fname).read_bytes())
+        (out_dir / fname).write_bytes((tok_dir / fname).read_bytes())
 
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     AutoTokenizer.from_pretrained(out_dir)
