@@ -42,7 +42,7 @@ class BenchRow:
     time_share: dict = field(default_factory=dict)
     speedup_vs_baseline: float | None = None
     speedup_vs_hf_assisted: float | None = None
-    backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on)
+    backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
 
     @property
@@ -262,7 +262,8 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r.backend == rows[0].backend]  # plot the first backend
+    # the first backend, and the transformers peers (measured against its baseline)
+    rows = [r for r in rows if r.backend == rows[0].backend or r.system == "hf"]
     bs0 = min(r.batch_size for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):

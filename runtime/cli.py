@@ -288,8 +288,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
                                      temperature=args.temperature)
-            for r in backend_rows:
-                r.backend = backend
+            for r in backend_rows:  # the peers run transformers' own code on torch
+                r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows
     compare_hf(rows)  # every backend against the transformers peers (run once)
     ratios = compare_backends(rows)

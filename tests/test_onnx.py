@@ -187,6 +187,19 @@ def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
         assert best["speedup_vs_baseline"] == max(row["speedup_vs_baseline"] for row in rows)
 
 
+@pytest.mark.skipif(not (DEMO / "draft" / "config.json").is_file(),
+                    reason="demo models not present")
+def test_cli_bench_labels_the_transformers_peers_torch(tmp_path):
+    # the peers run transformers on torch, whichever backend our rows ran on
+    r = run_cli("bench", "--backends", "onnx", "--prompts", "1", "--max-new-tokens", "6",
+                "--ks", "2", "--batch-sizes", "1", "--drafters", "model", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {row["variant"] for row in rows if row["system"] == "hf"} == {"generate", "assisted"}
+    assert {row["backend"] for row in rows if row["system"] == "hf"} == {"torch"}
+    assert {row["backend"] for row in rows if row["system"] == "ours"} == {"onnx"}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_export_matches_torch_for_every_family(hf_models, family, tmp_path):
     from paradraft.build.onnx import check_graph, export_step
