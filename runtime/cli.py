@@ -309,8 +309,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
     from dataclasses import asdict
 
+    from .correction import check_k, check_range
     from .evaluate import compare, frontier, measure, print_table, tune_grid
 
+    for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
+        check_range(name, getattr(args, name), 1, 1e6)
+    check_k(args.k)
+    check_range("budget", args.budget, 0.0, 100.0)
+    check_range("diversity_budget", args.diversity_budget, 0.0, 1.0)
     verifier = load_model(args.verifier)
     drafter = load_drafters(args, verifier, torch.float32)[args.drafters.split(",")[0]]
     prompts = eval_prompts(args)
@@ -330,10 +336,17 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
         params = RuleParams(**kw)
         label = " ".join(f"{k}={v}" for k, v in kw.items())
         rows.append(measure(verifier, drafter, params, args.k, label=label, **common))
-    compare([baseline, *rows], rows[0], baseline.tokens_per_second, args.budget)
-    print_table([baseline, *rows], f"quality vs exact (budget +{args.budget:.0%} perplexity)")
+    compare([baseline, *rows], rows[0], baseline.tokens_per_second, args.budget,
+            args.diversity_budget)
+    print_table([baseline, *rows], f"quality vs exact (budget: perplexity +{args.budget:.0%}, "
+                f"distinct-2 -{args.diversity_budget:.0%}; {len(baseline.sequence_nll)} "
+                "sequences per setting)")
+    low, high = baseline.ppl_change_interval
+    print(f"sampling noise: the two lossless samplers differ by {baseline.ppl_change_vs_exact:+.1%}"
+          f" [{low:+.1%}, {high:+.1%}] in perplexity; a Δppl inside such an interval is not "
+          "resolved by this many sequences")
     result = {"baseline": asdict(baseline), "rows": [asdict(r) for r in rows],
-              "budget": args.budget}
+              "budget": args.budget, "diversity_budget": args.diversity_budget}
     if tune:
         front = frontier(rows)
         ok = [r for r in rows if r.within_budget and r.rule == args.rule]
@@ -554,6 +567,9 @@ def main(argv: list[str] | None = None) -> None:
         e.add_argument("--batch-size", type=int, default=8)
         e.add_argument("--budget", type=float, default=0.10,
                        help="allowed perplexity increase vs exact (0.10 = +10%%)")
+        e.add_argument("--diversity-budget", type=float, default=0.10,
+                       help="allowed relative distinct-2 drop vs exact: perplexity alone "
+                            "rewards text collapsing into repetition")
         if name == "tune":
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])

@@ -1,7 +1,13 @@
 """Quality: perplexity and diversity per correction rule (``paradraft eval``), and the seed's
 tuning loop (``paradraft tune``): sweep a rule's parameters, print the speed/quality frontier
 and the best settings within the quality budget (the seed's bar: perplexity ≤ +10 % versus
-lossless ``exact`` sampling)."""
+lossless ``exact`` sampling).
+
+Perplexity under the verifier alone rewards text that collapses into repetition (a loop the
+verifier predicts well scores low), so a setting also fails when its distinct-2 falls more than
+the diversity budget below ``exact``'s. Each perplexity change carries a paired-bootstrap 95 %
+interval over the generated sequences: with few samples even two lossless samplers differ by
+more than 10 %, and the interval says whether a verdict is resolved."""
 
 from __future__ import annotations
 
@@ -9,12 +15,12 @@ import itertools
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .correction import RuleParams
+from .correction import RuleParams, check_range
 from .model import Transformer, new_kv_cache
 from .speculative import Drafter, SpeculativeDecoder
 
@@ -81,7 +87,13 @@ class QualityRow:
     tokens_per_second: float
     speedup: float = 0.0
     ppl_change_vs_exact: float = 0.0
+    ppl_change_interval: tuple[float, float] = (0.0, 0.0)  # paired bootstrap, 95 %
+    distinct_2_change_vs_exact: float = 0.0
+    failed: list[str] = field(default_factory=list)  # "perplexity", "diversity"
     within_budget: bool = True
+    # per generated sequence, in (seed, prompt) order: what the bootstrap resamples
+    sequence_nll: list[float] = field(default_factory=list, repr=False)
+    sequence_tokens: list[int] = field(default_factory=list, repr=False)
 
 
 def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
@@ -93,6 +105,8 @@ def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, 
                              acceptance_floor=0.0)
     outputs: list[list[int]] = []
     logprobs: list[float] = []
+    sequence_nll: list[float] = []
+    sequence_tokens: list[int] = []
     drafted = accepted = steps = generated = 0
     seconds = 0.0
     for seed in seeds:
@@ -107,7 +121,10 @@ def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, 
             seconds += s.total_time
             for p, out in zip(batch, result.token_ids, strict=True):
                 outputs.append(out)
-                logprobs += continuation_logprobs(verifier, p, out)
+                scores = continuation_logprobs(verifier, p, out)
+                logprobs += scores
+                sequence_nll.append(-sum(scores))
+                sequence_tokens.append(len(scores))
     return QualityRow(
         label=label, rule=params.rule, params=asdict(params),
         perplexity=perplexity_from_logprobs(logprobs),
@@ -116,27 +133,60 @@ def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, 
         acceptance_rate=accepted / drafted if drafted else 0.0,
         mean_acceptance_length=(accepted + steps) / max(steps, 1),
         tokens_per_second=generated / seconds if seconds else 0.0,
+        sequence_nll=sequence_nll, sequence_tokens=sequence_tokens,
     )
 
 
+def bootstrap_ppl_change(row: QualityRow, exact: QualityRow, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """95 % paired-bootstrap interval of perplexity(row) / perplexity(exact) − 1: the same
+    (seed, prompt) sequences of both are resampled together."""
+    if len(row.sequence_nll) != len(exact.sequence_nll) or not row.sequence_nll:
+        raise ValueError("the bootstrap pairs sequences: both rows need the same, non-zero "
+                         f"number ({len(row.sequence_nll)} vs {len(exact.sequence_nll)})")
+    nll = torch.tensor([row.sequence_nll, exact.sequence_nll], dtype=torch.float64)
+    tokens = torch.tensor([row.sequence_tokens, exact.sequence_tokens], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(nll.shape[1], (resamples, nll.shape[1]), generator=gen)
+    log_ppl = nll[:, picks].sum(-1) / tokens[:, picks].sum(-1).clamp(min=1)  # [2, resamples]
+    change = torch.expm1(log_ppl[0] - log_ppl[1])
+    low, high = torch.quantile(change, torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return float(low), float(high)
+
+
 def compare(rows: list[QualityRow], exact: QualityRow, baseline_tps: float,
-            budget: float) -> None:
-    """Fill speed-up (vs plain decoding) and the perplexity change against ``exact``
-    (lossless speculative sampling)."""
+            budget: float, diversity_budget: float = 0.10) -> None:
+    """Fill speed-up (vs plain decoding) and the quality changes against ``exact`` (lossless
+    speculative sampling): a row fails on perplexity above ``budget`` or on a distinct-2 drop
+    beyond ``diversity_budget`` (both relative)."""
+    check_range("budget", budget, 0.0, 100.0)
+    check_range("diversity_budget", diversity_budget, 0.0, 1.0)
     for r in rows:
         r.speedup = r.tokens_per_second / baseline_tps if baseline_tps else 0.0
         r.ppl_change_vs_exact = r.perplexity / exact.perplexity - 1.0
-        r.within_budget = r.ppl_change_vs_exact <= budget
+        r.ppl_change_interval = bootstrap_ppl_change(r, exact)
+        r.distinct_2_change_vs_exact = (r.distinct_2 / exact.distinct_2 - 1.0
+                                        if exact.distinct_2 else 0.0)
+        # lossless rows sample the verifier's own distribution: what separates them from
+        # exact is sampling noise, not a quality loss
+        r.failed = [] if r.rule == "exact" else (
+            ["perplexity"] * (r.ppl_change_vs_exact > budget)
+            + ["diversity"] * (r.distinct_2_change_vs_exact < -diversity_budget))
+        r.within_budget = not r.failed
 
 
 def print_table(rows: list[QualityRow], title: str) -> None:
     print(title)
-    print(f"{'setting':44s} {'ppl':>8s} {'Δppl':>7s} {'d-2':>5s} {'accept':>6s} "
-          f"{'len':>5s} {'speed-up':>8s}  ok")
+    print(f"{'setting':44s} {'ppl':>8s} {'Δppl':>7s} {'95% interval':>18s} {'d-2':>5s} "
+          f"{'Δd-2':>7s} {'accept':>6s} {'len':>5s} {'speed-up':>8s}  ok")
     for r in rows:
+        low, high = r.ppl_change_interval
+        verdict = ("lossless" if r.rule == "exact" else "yes" if r.within_budget
+                   else "NO: " + ", ".join(r.failed))
         print(f"{r.label:44s} {r.perplexity:8.2f} {r.ppl_change_vs_exact:+7.1%} "
-              f"{r.distinct_2:5.2f} {r.acceptance_rate:6.2f} {r.mean_acceptance_length:5.2f} "
-              f"{r.speedup:7.2f}x  {'yes' if r.within_budget else 'NO'}")
+              f"[{low:+7.1%}, {high:+7.1%}] {r.distinct_2:5.2f} "
+              f"{r.distinct_2_change_vs_exact:+7.1%} {r.acceptance_rate:6.2f} "
+              f"{r.mean_acceptance_length:5.2f} {r.speedup:7.2f}x  {verdict}")
 
 
 def tune_grid(rule: str) -> list[dict]:

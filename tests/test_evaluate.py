@@ -3,6 +3,7 @@ with the shipped demo models."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 from paradraft.runtime.bench import analytic_length
 from paradraft.runtime.evaluate import (
     QualityRow,
+    bootstrap_ppl_change,
+    compare,
     continuation_logprobs,
     distinct_n,
     frontier,
@@ -67,6 +70,46 @@ def test_frontier_keeps_only_undominated_settings():
     assert [r.label for r in frontier(rows)] == ["a", "b"]
 
 
+def quality_row(rule, nll, tokens, distinct_2=0.8):
+    ppl = math.exp(sum(nll) / sum(tokens))
+    return QualityRow(rule, rule, {}, ppl, 0.5, distinct_2, 0.9, 0.5, 2.0, 100.0,
+                      sequence_nll=list(nll), sequence_tokens=list(tokens))
+
+
+def test_bootstrap_interval_by_hand():
+    exact = quality_row("exact", [10.0, 20.0, 15.0, 30.0], [10, 10, 10, 20])
+    assert bootstrap_ppl_change(exact, exact) == (0.0, 0.0)
+    # every sequence ln 2 nats per token worse: perplexity exactly doubles in every resample
+    doubled = quality_row("greedy", [n + t * math.log(2) for n, t in
+                                     zip(exact.sequence_nll, exact.sequence_tokens, strict=True)],
+                          exact.sequence_tokens)
+    assert bootstrap_ppl_change(doubled, exact) == pytest.approx((1.0, 1.0))
+    # a noisy row: the interval holds the point estimate and has width
+    noisy = quality_row("ratio", [8.0, 26.0, 12.0, 35.0], exact.sequence_tokens)
+    low, high = bootstrap_ppl_change(noisy, exact)
+    assert low < noisy.perplexity / exact.perplexity - 1 < high and high - low > 0.05
+    with pytest.raises(ValueError, match="same, non-zero number"):
+        bootstrap_ppl_change(quality_row("ratio", [1.0], [3]), exact)
+
+
+def test_compare_fails_perplexity_and_collapse_but_not_lossless_noise():
+    tokens = [10, 10, 10, 10]
+    exact = quality_row("exact", [10.0] * 4, tokens, distinct_2=0.8)
+    autoregressive = quality_row("exact", [13.0] * 4, tokens, distinct_2=0.8)  # noise
+    worse = quality_row("dynamic", [13.0] * 4, tokens, distinct_2=0.8)  # ppl +35 %
+    collapsed = quality_row("greedy", [2.0] * 4, tokens, distinct_2=0.2)  # low ppl, loops
+    fine = quality_row("threshold", [10.5] * 4, tokens, distinct_2=0.75)
+    rows = [autoregressive, exact, worse, collapsed, fine]
+    compare(rows, exact, baseline_tps=50.0, budget=0.10, diversity_budget=0.10)
+    assert [r.failed for r in rows] == [[], [], ["perplexity"], ["diversity"], []]
+    assert [r.within_budget for r in rows] == [True, True, False, False, True]
+    assert worse.ppl_change_vs_exact == pytest.approx(math.exp(0.3) - 1)
+    assert collapsed.distinct_2_change_vs_exact == pytest.approx(-0.75)
+    assert fine.speedup == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"diversity_budget must be in \[0, 1\]"):
+        compare(rows, exact, 50.0, 0.10, diversity_budget=1.5)
+
+
 needs_demo = pytest.mark.skipif(
     not all((DEMO / m / "config.json").is_file() for m in ("verifier", "draft", "parallel_draft")),
     reason="demo models not present")
@@ -113,7 +156,25 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
     assert exact["ppl_change_vs_exact"] == 0.0
     for row in data["rows"]:
         assert row["perplexity"] > 1.0 and 0 < row["distinct_1"] <= 1
-        assert row["within_budget"] == (row["ppl_change_vs_exact"] <= 0.10)
+        low, high = row["ppl_change_interval"]
+        assert low <= high
+        assert len(row["sequence_nll"]) == len(row["sequence_tokens"]) == 2
+        lossy_fail = (row["ppl_change_vs_exact"] > 0.10
+                      or row["distinct_2_change_vs_exact"] < -0.10) and row["rule"] != "exact"
+        assert row["within_budget"] == (not lossy_fail)
+
+
+@needs_demo
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seeds", "0", r"seeds must be in \[1,"),
+    ("--budget", "-0.5", r"budget must be in \[0, 100\]"),
+    ("--diversity-budget", "2", r"diversity_budget must be in \[0, 1\]"),
+    ("--k", "0", r"k must be an integer in \[1,"),
+])
+def test_eval_rejects_bad_settings_naming_them(tmp_path, flag, value, message):
+    r = cli("eval", flag, value, "--out", str(tmp_path))
+    assert r.returncode == 2
+    assert re.search(message, r.stderr), r.stderr[-500:]
 
 
 @needs_demo
