@@ -112,7 +112,10 @@ def measure(verifier: Transformer, drafter: Drafter | None, params: RuleParams, 
     for seed in seeds:
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i: i + batch_size]
-            result = dec.generate(batch, max_new_tokens, seed=seed)
+            # a seed per batch: re-seeding every batch alike would hand row r of each batch
+            # the same random numbers, correlating sequences the bootstrap counts as
+            # independent
+            result = dec.generate(batch, max_new_tokens, seed=seed * len(prompts) + i)
             s = result.stats
             drafted += s.draft_tokens
             accepted += s.accepted_tokens

@@ -76,6 +76,17 @@ def quality_row(rule, nll, tokens, distinct_2=0.8):
                       sequence_nll=list(nll), sequence_tokens=list(tokens))
 
 
+def test_measure_draws_fresh_randoms_for_every_batch(pair):
+    # the same prompt in two batches under one seed: two independent samples, not one twice
+    from paradraft.runtime.correction import RuleParams
+    from paradraft.runtime.evaluate import measure
+
+    verifier = load_model(pair[0])
+    row = measure(verifier, None, RuleParams("exact"), 0, prompts=[[3, 5, 7], [3, 5, 7]],
+                  max_new_tokens=16, seeds=[0], batch_size=1, label="ar")
+    assert len(row.sequence_nll) == 2 and row.sequence_nll[0] != row.sequence_nll[1]
+
+
 def test_bootstrap_interval_by_hand():
     exact = quality_row("exact", [10.0, 20.0, 15.0, 30.0], [10, 10, 10, 20])
     assert bootstrap_ppl_change(exact, exact) == (0.0, 0.0)
