@@ -57,13 +57,20 @@ def perplexity_from_logprobs(logprobs: list[float]) -> float:
 
 
 @torch.no_grad()
-def continuation_logprobs(model: Transformer, prompt: list[int], continuation: list[int]
-                          ) -> list[float]:
-    """log p(continuation_t | prompt, continuation_<t) under ``model`` (teacher forcing)."""
+def continuation_log_softmax(model: Transformer, prompt: list[int], continuation: list[int]
+                             ) -> torch.Tensor:
+    """[len(continuation), V]: log p(· | prompt, continuation_<t) under ``model`` (teacher
+    forcing)."""
     ids = torch.tensor([prompt + continuation])
     cache = new_kv_cache(model.config, 1, ids.shape[1], model.dtype)
     logits, _ = model(ids, torch.arange(ids.shape[1])[None], cache)
-    logp = torch.log_softmax(logits[0, len(prompt) - 1: -1], dim=-1)
+    return torch.log_softmax(logits[0, len(prompt) - 1: -1], dim=-1)
+
+
+def continuation_logprobs(model: Transformer, prompt: list[int], continuation: list[int]
+                          ) -> list[float]:
+    """log p(continuation_t | prompt, continuation_<t) under ``model``."""
+    logp = continuation_log_softmax(model, prompt, continuation)
     return logp.gather(-1, torch.tensor(continuation)[:, None])[:, 0].tolist()
 
 
