@@ -387,7 +387,8 @@ def serve_config(args: argparse.Namespace):
                        max_input_tokens=args.max_seq_len - 1, rule=args.rule,
                        eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
-                       draft_len_schedule=args.draft_len_schedule)
+                       draft_len_schedule=args.draft_len_schedule,
+                       stream_interval=args.stream_interval)
 
 
 def load_model_config_eos(model_dir: str) -> int | None:
@@ -488,7 +489,7 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
         "max_tokens": args.max_tokens, "engines": args.engines,
         "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
-        "draft_len_schedule": args.draft_len_schedule})
+        "draft_len_schedule": args.draft_len_schedule, "stream_interval": args.stream_interval})
     print_results(results)
     print(json.dumps(data["summary"], indent=2))
     print(f"wrote {Path(args.out) / 'loadtest.json'} and loadtest.png")
@@ -591,6 +592,10 @@ def main(argv: list[str] | None = None) -> None:
                        "TensorRT-LLM's draft_len_schedule (1:4,4:2,8:0 = K 4 below 4 requests, "
                        "2 below 8, none from 8), or 'auto': per round the K of most expected "
                        "tokens/s from the running acceptance and round times measured at start")
+        s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="streamed responses after the first carry at least N new tokens "
+                       "(fewer responses through the ensemble: more throughput, coarser "
+                       "streaming)")
 
     s = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
     add_server_args(s)

@@ -55,10 +55,14 @@ class ServeConfig:
     # the round's K by batch size: TensorRT-LLM's {threshold: K}, or "auto" (goodput policy,
     # calibrated when the model loads); None: K every round
     draft_len_schedule: dict[int, int] | str | None = None
+    # a streamed request's first tokens go out at once, later ones once this many have
+    # gathered (SGLang's --stream-interval): each response is an IPC hop through the
+    # ensemble, which a busy CPU pays for in throughput
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
-                          ("max_input_tokens", 1)]:
+                          ("max_input_tokens", 1), ("stream_interval", 1)]:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")

@@ -133,6 +133,27 @@ def test_greedy_over_grpc_equals_the_runtime_and_streaming_concatenates(server, 
         assert whole.total_draft_tokens > 0
 
 
+def test_stream_interval_sends_fewer_larger_responses_and_loses_no_text(server, local,
+                                                                      tmp_path_factory):
+    _, base = server
+    config = serve.ServeConfig(**{**base.__dict__, "stream_interval": 8})
+    srv = serve.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+                             grpc_port=free_port(), http_port=free_port(),
+                             metrics_port=free_port(),
+                             workdir=tmp_path_factory.mktemp("triton_interval"))
+    try:
+        for prompt in PROMPTS[:2]:
+            streamed = serve.complete(srv.grpc_url, prompt, 40, stream=True)
+            assert streamed.text == local(prompt, 40)
+            # the first response at once (one round's tokens), then at least 8 tokens each;
+            # the final one carries what is left
+            assert streamed.chunk_tokens[0] <= config.k + 1
+            assert all(n >= 8 for n in streamed.chunk_tokens[1:-1]), streamed.chunk_tokens
+            assert sum(streamed.chunk_tokens) <= 40 and len(streamed.chunks) >= 3
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
 def test_sixteen_concurrent_streams_each_get_their_solo_output(server, local):
     srv, _ = server
     jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + 5 * i)

@@ -152,8 +152,9 @@ class TritonPythonModel:
             pb_utils.Tensor("sequence_length", zero)]), flags=FINAL)
 
     def make_request(self, parsed, sender, request_id=""):
-        tokens, sent, stopped = [], [0], [False]
+        tokens, sent, queued, stopped = [], [0], [0], [False]
         metrics, scheduler, live, outbox = self.metrics, self.scheduler, self.live, self.outbox
+        interval = self.config.stream_interval
         if request_id:
             live[request_id] = stopped  # a later request with the same id takes it over
 
@@ -178,7 +179,8 @@ class TritonPythonModel:
             outbox.put(lambda: metrics.set_state(state))
             # the scheduler dropped cancelled requests just before this round: no second
             # is_cancelled() round trip here
-            if parsed.stream:
+            if parsed.stream and (not queued[0] or len(snapshot) - queued[0] >= interval):
+                queued[0] = len(snapshot)
                 outbox.put(lambda: sender.send(response(snapshot, False, None)))
 
         def on_done(stats, error):
