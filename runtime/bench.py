@@ -4,12 +4,16 @@ Every variant decodes the same held-out prompts with the same models: our autore
 baseline, speculative decoding per drafter / rule / K, ``transformers`` greedy ``generate()``
 and ``transformers`` assisted generation (``assistant_model=``, the same K). Speed-ups are
 ratios within this run (the machines are noisy; compare ratios, not absolute tokens/s).
+With ``repeats`` > 1 the whole plan runs that many times in turn; a row's tokens/s is its
+median and each ratio the median of the per-repeat ratios, so a slow spell during one
+variant (the baseline, say) moves one repeat, not the result.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,15 +48,24 @@ class BenchRow:
     speedup_vs_hf_assisted: float | None = None
     backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
+    repeat_tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
 
     @property
     def tokens_per_second(self) -> float:
+        if self.repeat_tokens_per_second:
+            return statistics.median(self.repeat_tokens_per_second)
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def to_dict(self) -> dict:
         d = self.__dict__.copy()
         d["tokens_per_second"] = self.tokens_per_second
         return d
+
+
+def median_ratio(row: BenchRow, reference: BenchRow) -> float:
+    """The median over repeats of row / reference tokens/s, each ratio within one repeat."""
+    return statistics.median(a / b for a, b in zip(
+        row.repeat_tokens_per_second, reference.repeat_tokens_per_second, strict=True))
 
 
 def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
@@ -135,7 +148,7 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
 def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list[list[int]],
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
-              ) -> list[BenchRow]:
+              repeats: int = 1) -> list[BenchRow]:
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
@@ -145,22 +158,29 @@ def run_bench(verifier: Transformer, drafters: dict[str, Drafter], prompts: list
         hf_verifier.eval()
         hf_draft.eval()
     rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None)
-    for row in tqdm(rows, desc="bench", unit="variant"):
-        n = max(len(prompts) // row.batch_size, 1) * row.batch_size
-        batch_prompts = (prompts * row.batch_size)[:n]
-        if row.system == "hf":
-            draft = hf_draft if row.variant == "assisted" else None
-            run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size, row.k, row)
-            continue
-        params = RuleParams(row.rule, temperature=temperature)
-        drafter = drafters.get(row.variant)
-        run_ours(verifier, drafter, params, row.k, batch_prompts, max_new_tokens,
-                 row.batch_size, seed, row)
+    progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
+    for _ in range(repeats):
+        for row in rows:
+            row.tokens, row.seconds = 0, 0.0
+            n = max(len(prompts) // row.batch_size, 1) * row.batch_size
+            batch_prompts = (prompts * row.batch_size)[:n]
+            if row.system == "hf":
+                draft = hf_draft if row.variant == "assisted" else None
+                run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
+                       row.k, row)
+            else:
+                params = RuleParams(row.rule, temperature=temperature)
+                run_ours(verifier, drafters.get(row.variant), params, row.k, batch_prompts,
+                         max_new_tokens, row.batch_size, seed, row)
+            row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
+                                                else 0.0)
+            progress.update()
+    progress.close()
     # ratios within this run
     for row in rows:
         base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
                     and r.batch_size == row.batch_size and r.sampling == row.sampling)
-        row.speedup_vs_baseline = row.tokens_per_second / base.tokens_per_second
+        row.speedup_vs_baseline = median_ratio(row, base)
     compare_hf(rows)
     return rows
 
@@ -172,7 +192,7 @@ def compare_hf(rows: list[BenchRow]) -> None:
     for row in rows:
         peer = peers.get((row.k, row.batch_size))
         if peer and not row.sampling and row.schedule == "fixed":
-            row.speedup_vs_hf_assisted = row.tokens_per_second / peer.tokens_per_second
+            row.speedup_vs_hf_assisted = median_ratio(row, peer)
 
 
 def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:

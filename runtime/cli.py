@@ -274,6 +274,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"backends must be a comma list of torch, onnx; got {args.backends!r}")
     ks = int_list(args.ks, "ks", 1, 16)
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
     prompts = eval_prompts(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
@@ -287,7 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
-                                     temperature=args.temperature)
+                                     temperature=args.temperature, repeats=args.repeats)
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows
@@ -297,7 +299,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,
-            "backends": backends, "vs_torch": ratios}
+            "backends": backends, "repeats": args.repeats, "vs_torch": ratios}
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))
@@ -536,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--batch-sizes", default="1,4,16")
     b.add_argument("--temperature", type=float, default=1.0, help="for the sampling rows")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="run the whole plan this many times in turn; tokens/s are medians, "
+                   "ratios the medians of per-repeat ratios")
     b.add_argument("--backends", default="torch",
                    help="comma list of torch, onnx: run our variants on each, side by side")
     b.add_argument("--engines", default=None,

@@ -134,16 +134,26 @@ def cli(*args, timeout=900):
 @needs_demo
 def test_bench_end_to_end_writes_well_formed_json(tmp_path):
     r = cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "1,2",
-            "--batch-sizes", "1,2", "--out", str(tmp_path))
+            "--batch-sizes", "1,2", "--repeats", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 0
     variants = {(row["system"], row["variant"]) for row in data["rows"]}
     assert {("ours", "baseline"), ("ours", "model"), ("ours", "parallel"), ("ours", "self"),
             ("hf", "generate"), ("hf", "assisted")} <= variants
+    assert data["meta"]["repeats"] == 2
     for row in data["rows"]:
         assert row["tokens"] > 0 and row["tokens_per_second"] > 0
-        assert row["speedup_vs_baseline"] > 0
+        per_repeat = row["repeat_tokens_per_second"]
+        assert len(per_repeat) == 2 and row["tokens_per_second"] == pytest.approx(
+            sum(per_repeat) / 2)  # the median of two
+        # each ratio within one repeat, then their median
+        base = next(b for b in data["rows"] if b["variant"] == "baseline" and b["system"] ==
+                    "ours" and b["batch_size"] == row["batch_size"]
+                    and b["sampling"] == row["sampling"])
+        ratios = [a / b for a, b in zip(per_repeat, base["repeat_tokens_per_second"],
+                                        strict=True)]
+        assert row["speedup_vs_baseline"] == pytest.approx(sum(ratios) / 2)
         if row["system"] == "ours" and row["variant"] != "baseline":
             assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert 1.0 <= row["mean_acceptance_length"] <= row["k"] + 1
