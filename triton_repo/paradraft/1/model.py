@@ -175,12 +175,13 @@ class TritonPythonModel:
 
         def on_tokens(new):
             tokens.extend(new)
-            state, snapshot = scheduler.stats(), list(tokens)
+            state = scheduler.stats()
             outbox.put(lambda: metrics.set_state(state))
             # the scheduler dropped cancelled requests just before this round: no second
             # is_cancelled() round trip here
-            if parsed.stream and (not queued[0] or len(snapshot) - queued[0] >= interval):
-                queued[0] = len(snapshot)
+            if parsed.stream and (not queued[0] or len(tokens) - queued[0] >= interval):
+                queued[0] = len(tokens)
+                snapshot = list(tokens)  # copied only for a response that goes out
                 outbox.put(lambda: sender.send(response(snapshot, False, None)))
 
         def on_done(stats, error):
