@@ -311,6 +311,7 @@ def pretokenize(cfg: RunConfig, tok: object, root: Path, train: list[str],
                 heldout: list[str]) -> dict:
     """Encode every file once; documents are joined with <|endoftext|> (also leading)."""
     stats: dict[str, int] = {}
+    cfg.work.mkdir(parents=True, exist_ok=True)  # a fresh clone has no .work yet
     for name, files in (("train", train), ("heldout", heldout)):
         pieces: list[np.ndarray] = []
         for start in tqdm(range(0, len(files), 64), desc=f"encode {name}", mininterval=5):
