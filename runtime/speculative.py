@@ -27,6 +27,7 @@ from .correction import (
     RuleParams,
     check_k,
     draw_randoms,
+    exponential_noise,
     sample,
     sampling_probs,
 )
@@ -353,7 +354,7 @@ class SpeculativeDecoder:
         if not self.draft_sampling:
             return logits.argmax(-1), None
         q = sampling_probs(logits, self.params.temperature, self.params.top_p)
-        noise = torch.empty_like(q).exponential_(generator=gen)
+        noise = exponential_noise(q.shape, gen, q.device)
         return sample(q, noise), q
 
     # -- the round's K ---------------------------------------------------------------------

@@ -12,6 +12,8 @@ from paradraft.runtime.correction import (
     RuleParams,
     check_k,
     correct,
+    exponential_noise,
+    sample,
     sampling_probs,
     top_p_mask,
 )
@@ -203,3 +205,28 @@ def test_sampling_rules_refuse_missing_random_numbers():
         with pytest.raises(ValueError, match="needs random numbers"):
             correct(LOGITS, DRAFT, None, RuleParams(rule), None)
     assert run("greedy") == (0, 0)  # greedy draws nothing
+
+
+def test_exponential_noise_is_exp1_finite_positive_and_seeded():
+    n = 200_000
+    x = exponential_noise((n,), torch.Generator().manual_seed(0))
+    assert bool(torch.isfinite(x).all()) and float(x.min()) > 0.0
+    # Kolmogorov–Smirnov distance to the Exp(1) CDF; the 0.1 % critical value is 1.95 / √n
+    xs = x.double().sort().values
+    cdf = 1 - torch.exp(-xs)
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    ks = float(torch.maximum(i / n - cdf, cdf - (i - 1) / n).max())
+    assert ks < 1.95 / math.sqrt(n)
+    # a uniform of exactly 0 is clamped, not turned into inf (which would drop a token)
+    assert bool(torch.isfinite(exponential_noise((4, 8), torch.Generator())).all())
+    again = exponential_noise((n,), torch.Generator().manual_seed(0))
+    assert torch.equal(x, again)
+
+
+def test_exponential_race_with_the_noise_samples_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 100_000
+    noise = exponential_noise((n, 4), torch.Generator().manual_seed(1))
+    freq = torch.bincount(sample(probs.expand(n, -1), noise), minlength=4).double() / n
+    # 4 standard errors of a binomial proportion
+    assert torch.all((freq - probs.double()).abs() < 4 * (probs * (1 - probs) / n).sqrt())

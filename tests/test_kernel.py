@@ -74,8 +74,9 @@ def test_kernel_top_p_and_temperature(rule):
 @pytest.mark.parametrize("with_q", [True, False])
 def test_kernel_exact_samples_the_residual_after_a_rejection(with_q):
     # drafts drawn from a q close to p (or from p itself for a one-hot draft): rejected rows
-    # then draw from a residual that differs from p, checked to matter below
-    B, K, V = 6, 3, 100
+    # then draw from a residual that differs from p, checked to matter below (enough rows
+    # that some rejected row tells the residual apart, whatever the noise stream)
+    B, K, V = 32, 3, 100
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(B, K + 1, V, generator=g) * 4  # peaked: drafts often the argmax
     params = RuleParams("exact", temperature=0.9)
