@@ -39,6 +39,9 @@ class LevelResult:
     itl_p50_ms: float
     itl_p99_ms: float
     acceptance_rate: float
+    # CPU the load generator itself used (all its threads) per second of the level: on a
+    # machine it shares with the server, this much compute was not the server's
+    client_cpu_share: float
     error_messages: list[str]
 
 
@@ -56,28 +59,38 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
     results, errors = [], []
 
     def worker():
-        while True:
-            with lock:
-                if not jobs:
-                    return
-                i = jobs.pop()
-            try:
-                r = complete(url, prompts[i % len(prompts)], max_tokens, stream=True)
-                with lock:
-                    results.append(r)
-            except Exception as e:  # counted, never raised: the run must finish
-                with lock:
-                    errors.append(str(e)[:200])
-            if progress is not None:
-                progress.update(1)
+        import tritonclient.grpc as grpcclient
 
-    t0 = time.perf_counter()
+        # one channel per worker, reused by its requests (as perf_analyzer does): a new
+        # channel per request is client CPU taken from a server on the same cores
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            while True:
+                with lock:
+                    if not jobs:
+                        return
+                    i = jobs.pop()
+                try:
+                    r = complete(url, prompts[i % len(prompts)], max_tokens, stream=True,
+                                 client=client)
+                    with lock:
+                        results.append(r)
+                except Exception as e:  # counted, never raised: the run must finish
+                    with lock:
+                        errors.append(str(e)[:200])
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            client.close()
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
+    client_cpu = time.process_time() - cpu0
     tokens = sum(sum(r.chunk_tokens) for r in results)
     ttft = [r.first_token_s * 1e3 for r in results]
     # inter-token latency: each gap between responses spread over the tokens it delivered
@@ -98,6 +111,7 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
         itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
         acceptance_rate=accepted / drafted if drafted else 0.0,
+        client_cpu_share=client_cpu / seconds,
         error_messages=sorted(set(errors))[:5],
     )
 
@@ -166,8 +180,10 @@ def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict
 
 def print_results(results: list[LevelResult]) -> None:
     print(f"{'rep':>3s} {'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} {'tok/s':>8s} "
-          f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s}")
+          f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s} "
+          f"{'client CPU':>10s}")
     for r in results:
         print(f"{r.repeat + 1:3d} {r.concurrency:4d} {r.requests:4d} {r.errors:3d} {r.lost:4d} "
               f"{r.tokens_per_second:8.1f} {r.ttft_p50_ms:8.0f}ms {r.ttft_p99_ms:6.0f}ms "
-              f"{r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms {r.acceptance_rate:6.2f}")
+              f"{r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms {r.acceptance_rate:6.2f} "
+              f"{r.client_cpu_share:9.2f}c")

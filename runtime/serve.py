@@ -422,16 +422,20 @@ def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
 
 
 def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
-             on_text=None, timeout: float = 300, request_id: str = "",
+             on_text=None, timeout: float = 300, request_id: str = "", client=None,
              **optional) -> Completion:
     """One completion over gRPC streaming (the API decoupled models need). ``request_id``
-    names it for ``stop_request``."""
+    names it for ``stop_request``. ``client``: a ``tritonclient.grpc`` client to reuse (one
+    stream at a time; the caller closes it), as a load generator keeps one per worker
+    instead of a new channel per request."""
     import queue
 
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    own_client = client is None
+    if own_client:
+        client = grpcclient.InferenceServerClient(url)
     chunks, times, counts = [], [], []
     stats = (0.0, 0, 0)
     t0 = time.perf_counter()
@@ -461,7 +465,8 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                 break
     finally:
         client.stop_stream()
-        client.close()
+        if own_client:
+            client.close()
     return Completion("".join(chunks), chunks, *stats,
                       first_token_s=times[0] if times else 0.0, chunk_times=times,
                       chunk_tokens=counts)

@@ -221,7 +221,7 @@ def test_loadtest_summary_is_the_median_of_per_repeat_ratios():
     from paradraft.runtime.loadtest import LevelResult, summarize
 
     def level(c, rep, tps):
-        return LevelResult(c, rep, 4, 4, 0, 0, int(tps), 1.0, tps, 0, 0, 0, 0, 0.5, [])
+        return LevelResult(c, rep, 4, 4, 0, 0, int(tps), 1.0, tps, 0, 0, 0, 0, 0.5, 0.1, [])
 
     # repeat 2 is a slow spell for both levels: the ratio survives it, a mean of tok/s would not
     results = [level(1, 0, 100), level(8, 0, 320), level(1, 1, 50), level(8, 1, 140),

@@ -344,6 +344,7 @@ def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
     for r in results:
         assert (r.answered, r.errors, r.lost) == (3, 0, 0), r.error_messages
         assert r.output_tokens == 3 * 6 and r.tokens_per_second > 0
+        assert r.client_cpu_share > 0  # the generator's own CPU, measured per level
     data = write_outputs(results, tmp_path, {})
     ratios = [results[i + 1].tokens_per_second / results[i].tokens_per_second for i in (0, 2)]
     assert data["summary"]["c2_vs_c1_per_repeat"] == pytest.approx(ratios)
