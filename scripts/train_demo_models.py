@@ -826,13 +826,14 @@ def verifier_trajectories(cfg: RunConfig, teacher: torch.nn.Module
     path = cfg.work / ("trajectories_defs.pt" if defs else "trajectories.pt")
     batches = torch.load(path) if path.exists() else []
     tokens = None if defs else load_tokens(cfg, "train")
+    sources = def_sources(cfg) if defs else None
     total = int(sd.extra["batches"])
     for i in tqdm(range(len(batches), total), desc="trajectories", ncols=110,
                   initial=len(batches), total=total):
         rng = np.random.default_rng([cfg.seed, STAGE_INDEX["selfdistill"], i])
         if defs:
             prompt_len = int(rng.choice([16, 32, 48, 64]))
-            prompts = def_prompts(cfg, rng, sd.batch_size * 4, prompt_len)
+            prompts = def_prompts(sources, rng, sd.batch_size * 4, prompt_len)
         else:
             prompt_len = int(rng.choice([16, 32, 64, 128]))
             prompts = random_windows(tokens, rng, sd.batch_size * 4, prompt_len)
@@ -846,16 +847,21 @@ def verifier_trajectories(cfg: RunConfig, teacher: torch.nn.Module
     return batches[:total]
 
 
-def def_prompts(cfg: RunConfig, rng: np.random.Generator, rows: int, length: int
-                ) -> torch.Tensor:
-    """Prompts that open a ``def``/``class`` line of a training file, as the held-out
-    snippets do (bench / eval prompts): the draft agrees with the verifier less often on
-    function-body continuations (0.80) than after random windows (0.86)."""
+def def_sources(cfg: RunConfig) -> tuple[object, Path, list[str]]:
+    """(tokenizer, stdlib dir, training files) for ``def_prompts``, loaded once per run."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(cfg.out / "verifier" / "tokenizer.json"))
     root = Path(load_json(cfg.out / "split.json")["stdlib_dir"])
-    train, _ = split_files(cfg)
+    return tok, root, split_files(cfg)[0]
+
+
+def def_prompts(sources: tuple[object, Path, list[str]], rng: np.random.Generator, rows: int,
+                length: int) -> torch.Tensor:
+    """Prompts that open a ``def``/``class`` line of a training file, as the held-out
+    snippets do (bench / eval prompts): the draft agrees with the verifier less often on
+    function-body continuations (0.80) than after random windows (0.86)."""
+    tok, root, train = sources
     out: list[list[int]] = []
     while len(out) < rows:
         lines = read_source(root / train[int(rng.integers(len(train)))]).splitlines(True)
