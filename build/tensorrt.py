@@ -282,17 +282,29 @@ def gpu_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def build_plans(engine_dir: str | Path, precision: str = "fp32",
-                timing_cache: str | Path | None = None) -> dict:
-    """Build a plan for every graph of an ONNX engine dir (in place) and rewrite its manifest
-    as a TensorRT one. ``timing_cache``: reused and updated (default: in the engine dir)."""
-    trt = import_tensorrt()
-    precision_flag(precision, trt.__version__)  # refuse before the first (slow) build
-    engine_dir = Path(engine_dir)
+def source_manifest(engine_dir: Path) -> dict:
+    """The manifest of the ONNX engine dir plans are built from; refuses another backend and
+    int8 drafting graphs (ONNX Runtime's dynamic quantization ops; TensorRT's precision is
+    ``--precision``)."""
     manifest = read_manifest(engine_dir)
     if manifest["backend"] != "onnx":
         raise ValueError(f"{engine_dir}: plans are built from an onnx engine dir; its backend "
                          f"is {manifest['backend']!r}")
+    if manifest.get("draft_precision", "float32") != "float32":
+        raise ValueError(f"{engine_dir}: draft_precision must be float32 to build TensorRT "
+                         f"plans; got {manifest['draft_precision']!r} (rebuild with "
+                         "--draft-precision float32)")
+    return manifest
+
+
+def build_plans(engine_dir: str | Path, precision: str = "fp32",
+                timing_cache: str | Path | None = None) -> dict:
+    """Build a plan for every graph of an ONNX engine dir (in place) and rewrite its manifest
+    as a TensorRT one. ``timing_cache``: reused and updated (default: in the engine dir)."""
+    engine_dir = Path(engine_dir)
+    manifest = source_manifest(engine_dir)
+    trt = import_tensorrt()
+    precision_flag(precision, trt.__version__)  # refuse before the first (slow) build
     limits = Limits(**manifest["limits"])
     cache_path = Path(timing_cache) if timing_cache else engine_dir / TIMING_CACHE
     cache = cache_path.read_bytes() if cache_path.is_file() else b""
@@ -320,5 +332,8 @@ def build_engines(verifier_dir: str | Path, out_dir: str | Path, *args, precisio
     precision_flag(precision, trt.__version__)
     from .onnx import build_engines as build_onnx
 
+    if kwargs.setdefault("draft_precision", "float32") != "float32":
+        raise ValueError("draft_precision must be float32 for TensorRT plans (their math is "
+                         f"precision={precision!r}); got {kwargs['draft_precision']!r}")
     build_onnx(verifier_dir, out_dir, *args, **kwargs)
     return build_plans(out_dir, precision, timing_cache)

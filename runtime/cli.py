@@ -132,11 +132,14 @@ def cmd_build(args: argparse.Namespace) -> None:
     if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
         from paradraft.build.tensorrt import build_engines
 
-        options = {"precision": args.precision}
+        if args.draft_precision not in (None, "float32"):
+            raise ValueError("draft_precision must be float32 with --backend tensorrt (the "
+                             "plans' math is --precision); got " + repr(args.draft_precision))
+        options = {"precision": args.precision, "draft_precision": "float32"}
     else:
         from paradraft.build.onnx import build_engines
 
-        options = {}
+        options = {"draft_precision": args.draft_precision or "int8"}
 
     verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
     if verifier is None:  # no model arguments: the shipped demo set
@@ -236,8 +239,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out")
 
 
-def bench_engines(args: argparse.Namespace, tmp: str) -> tuple[object, dict[str, Drafter]]:
-    """The onnx backend's verifier and drafters: ``--engines`` or a build into ``tmp``."""
+def bench_engines(args: argparse.Namespace, tmp: str
+                  ) -> tuple[object, dict[str, Drafter], dict]:
+    """The onnx backend's verifier, drafters and manifest: ``--engines`` or a build (with
+    the build's defaults) into ``tmp``."""
     from .engines import load_engines
 
     names = args.drafters.split(",")
@@ -249,12 +254,12 @@ def bench_engines(args: argparse.Namespace, tmp: str) -> tuple[object, dict[str,
         build_engines(args.verifier, tmp, args.draft if "model" in names else None,
                       args.parallel_draft if "parallel" in names else None,
                       self_draft_layers=args.self_draft_layers)
-    verifier, drafters, _, _ = load_engines(engine_dir, args.self_draft_layers)
+    verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers)
     missing = [n for n in names if n not in drafters]
     if missing:
         raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
                          f"built: {', '.join(sorted(drafters))}")
-    return verifier, {n: drafters[n] for n in names}
+    return verifier, {n: drafters[n] for n in names}, manifest
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -278,13 +283,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"repeats must be >= 1; got {args.repeats}")
     prompts = eval_prompts(args)
     rows = []
+    draft_precision = None  # of the onnx engines' drafting graphs
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
         for i, backend in enumerate(backends):
             if backend == "torch":
                 verifier = load_model(args.verifier)
                 drafters = load_drafters(args, verifier, torch.float32)
             else:
-                verifier, drafters = bench_engines(args, tmp)
+                verifier, drafters, manifest = bench_engines(args, tmp)
+                draft_precision = manifest.get("draft_precision", "float32")
             # the transformers peers run once, with the first backend
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
@@ -299,7 +306,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,
-            "backends": backends, "repeats": args.repeats, "vs_torch": ratios}
+            "backends": backends, "repeats": args.repeats, "vs_torch": ratios,
+            "onnx_draft_precision": draft_precision}
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))
@@ -560,6 +568,10 @@ def main(argv: list[str] | None = None) -> None:
     bd.add_argument("--dtype", choices=["float32"], default="float32")
     bd.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
                     help="math inside the TensorRT plans (--backend tensorrt; I/O stays fp32)")
+    bd.add_argument("--draft-precision", choices=["int8", "float32"], default=None,
+                    help="weights of the drafting graphs (drafts, self-draft) for --backend "
+                         "onnx: int8 (default; the verifier decides, so output is unchanged) "
+                         "or float32; --backend tensorrt takes float32 (use --precision)")
     add_rule_args(bd)  # the rule defaults the correction graph carries
     for name, helptext in [("eval", "perplexity / diversity per rule vs exact"),
                            ("tune", "sweep a rule's parameters: speed/quality frontier")]:

@@ -69,11 +69,13 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pair_engines(pair, tmp_path_factory):
     """The ``pair`` checkpoints built into an ONNX engine dir (verifier, draft, parallel draft,
-    self-draft with 1 layer); built once per session."""
+    self-draft with 1 layer); built once per session. Float32 drafting graphs: the
+    conformance suite asserts the torch backend's acceptance counts exactly (the int8 default
+    is tested on its own in test_onnx.py)."""
     pytest.importorskip("onnxruntime")
     from paradraft.build.onnx import build_engines
 
     vdir, ddir, pdir, _ = pair
     out = tmp_path_factory.mktemp("engines")
-    build_engines(vdir, out, ddir, pdir, self_draft_layers=1)
+    build_engines(vdir, out, ddir, pdir, self_draft_layers=1, draft_precision="float32")
     return out

@@ -94,6 +94,54 @@ def test_manifest_records_the_engine_set(pair_engines):
     assert [o.name for o in graph.output][:3] == ["num_accepted", "next_token", "accepted_tokens"]
 
 
+def graph_ops(path: Path) -> set[str]:
+    import onnx
+
+    return {n.op_type for n in onnx.load(str(path)).graph.node}
+
+
+def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_engines,
+                                                                    tmp_path):
+    """The default build quantizes the drafting graphs (drafts, self-draft) and nothing else:
+    greedy speculation still gives the verifier's own greedy tokens with every drafter, and
+    the int8 drafts still get drafts accepted."""
+    vdir, ddir, pdir, _ = pair
+    out = tmp_path / "int8"
+    m = build_engines(vdir, out, ddir, pdir, self_draft_layers=1)
+    assert m["draft_precision"] == "int8"
+    assert m["models"]["draft"]["graphs"]["logits"]["precision"] == "int8"
+    assert m["models"]["verifier"]["graphs"]["self_draft"]["precision"] == "int8"
+    for name in ("draft.onnx", "parallel_draft.onnx", "verifier_self1.onnx"):
+        assert "MatMulInteger" in graph_ops(out / name)
+        assert "MatMulInteger" not in graph_ops(pair_engines / name)
+        assert (out / name).stat().st_size < (pair_engines / name).stat().st_size
+    for name in ("verifier.onnx", "verifier_correction.onnx"):  # the verifier decides: fp32
+        assert "MatMulInteger" not in graph_ops(out / name)
+    verifier, drafters, _, _ = load_engines(out)
+    prompts, max_new = [[4, 8, 15], [16, 23, 42, 7, 7, 3, 1], [9]], 20
+    truth = SpeculativeDecoder(load_model(vdir), None, RuleParams("greedy"),
+                               max_batch_size=3).generate(prompts, max_new).token_ids
+    for kind, drafter in drafters.items():
+        dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=4, max_batch_size=3,
+                                 acceptance_floor=0.0)
+        got = dec.generate(prompts, max_new)
+        assert got.token_ids == truth, kind
+        assert got.stats.accepted_tokens > 0, kind
+
+
+def test_build_refuses_unknown_draft_precision_and_trt_plans_of_int8_drafts(pair, tmp_path):
+    vdir, ddir, _, _ = pair
+    with pytest.raises(ValueError, match="draft_precision must be one of int8, float32; "
+                                         "got 'fp16'"):
+        build_engines(vdir, tmp_path / "a", ddir, draft_precision="fp16")
+    from paradraft.build.tensorrt import build_plans
+
+    build_engines(vdir, tmp_path / "b", ddir)
+    # refused from the manifest, before TensorRT is even imported (so also on this CPU)
+    with pytest.raises(ValueError, match="draft_precision must be float32 to build TensorRT"):
+        build_plans(tmp_path / "b")
+
+
 @pytest.mark.parametrize("damage", ["missing", "changed"])
 def test_manifest_refuses_missing_or_changed_files(pair_engines, tmp_path, damage):
     engine_dir = tmp_path / "engines"
@@ -142,7 +190,8 @@ def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
     vdir, ddir, pdir, _ = pair
     out = tmp_path / "engines"
     r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--parallel-draft", pdir,
-                "--backend", "onnx", "--out", str(out), "--rule", "dynamic", "--tau", "0.25")
+                "--backend", "onnx", "--out", str(out), "--rule", "dynamic", "--tau", "0.25",
+                "--draft-precision", "float32")  # exact acceptance counts: fp32 drafts
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rule_defaults"]["rule"] == "dynamic"
@@ -179,6 +228,7 @@ def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
     onnx_rows = [row for row in data["rows"] if row["backend"] == "onnx"]
     assert all(row["speedup_vs_torch"] > 0 for row in onnx_rows)
     assert "geomean_speculative" in data["meta"]["vs_torch"]["onnx"]["batch_1"]
+    assert data["meta"]["onnx_draft_precision"] == "int8"  # the build's default
     # the best config per backend, each with its own ratio over its own baseline
     for backend in ("torch", "onnx"):
         best = data["summary"]["backends"][backend]["batch_1"]
