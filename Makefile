@@ -28,7 +28,7 @@ serve-deps: $(TRITON)
 # completion over gRPC, print the stats, stop the server.
 ENGINES := engines/demo
 
-$(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors)
+$(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors) build/onnx.py
 	$(BIN)/paradraft build --backend onnx --out $(ENGINES)
 
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
