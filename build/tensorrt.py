@@ -327,13 +327,13 @@ def build_plans(engine_dir: str | Path, precision: str = "fp32",
 def build_engines(verifier_dir: str | Path, out_dir: str | Path, *args, precision: str = "fp32",
                   timing_cache: str | Path | None = None, **kwargs) -> dict:
     """``paradraft.build.onnx.build_engines`` (same arguments), then the plans. Refuses a
-    missing TensorRT or an unusable precision before the ONNX export."""
+    missing TensorRT, int8 drafting graphs or an unusable precision before the ONNX export."""
+    if kwargs.setdefault("draft_precision", "float32") != "float32":
+        raise ValueError("draft_precision must be float32 for TensorRT plans (their math is "
+                         f"precision={precision!r}); got {kwargs['draft_precision']!r}")
     trt = import_tensorrt()
     precision_flag(precision, trt.__version__)
     from .onnx import build_engines as build_onnx
 
-    if kwargs.setdefault("draft_precision", "float32") != "float32":
-        raise ValueError("draft_precision must be float32 for TensorRT plans (their math is "
-                         f"precision={precision!r}); got {kwargs['draft_precision']!r}")
     build_onnx(verifier_dir, out_dir, *args, **kwargs)
     return build_plans(out_dir, precision, timing_cache)

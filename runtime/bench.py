@@ -70,7 +70,9 @@ def median_ratio(row: BenchRow, reference: BenchRow) -> float:
 
 def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams, k: int,
              prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
-             row: BenchRow) -> BenchRow:
+             row: BenchRow, token_ids: list[list[int]] | None = None) -> BenchRow:
+    """Decode ``prompts`` in batches into ``row``'s counts; ``token_ids``: a list to extend
+    with each prompt's generated tokens (to compare outputs across variants)."""
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
                              acceptance_floor=0.0,
@@ -78,7 +80,10 @@ def run_ours(verifier: Transformer, drafter: Drafter | None, params: RuleParams,
     dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
     stats = []
     for i in range(0, len(prompts), batch_size):
-        stats.append(dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed).stats)
+        out = dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed)
+        stats.append(out.stats)
+        if token_ids is not None:
+            token_ids += out.token_ids
     total = aggregate(stats)
     total.draft_time = sum(s.draft_time for s in stats)
     total.verify_time = sum(s.verify_time for s in stats)

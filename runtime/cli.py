@@ -132,14 +132,13 @@ def cmd_build(args: argparse.Namespace) -> None:
     if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
         from paradraft.build.tensorrt import build_engines
 
-        if args.draft_precision not in (None, "float32"):
-            raise ValueError("draft_precision must be float32 with --backend tensorrt (the "
-                             "plans' math is --precision); got " + repr(args.draft_precision))
-        options = {"precision": args.precision, "draft_precision": "float32"}
+        options = {"precision": args.precision}
     else:
         from paradraft.build.onnx import build_engines
 
-        options = {"draft_precision": args.draft_precision or "int8"}
+        options = {}
+    if args.draft_precision is not None:  # else the backend's default (onnx int8, trt fp32)
+        options["draft_precision"] = args.draft_precision
 
     verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
     if verifier is None:  # no model arguments: the shipped demo set

@@ -21,31 +21,13 @@ from pathlib import Path
 import torch
 
 from paradraft.build.onnx import build_engines
-from paradraft.runtime.bench import BenchRow, median_ratio
+from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
 from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
 from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
-from paradraft.runtime.speculative import SpeculativeDecoder, aggregate
 
 PRECISIONS = ("float32", "int8")
-
-
-def decode(verifier, drafter, k: int, prompts: list[list[int]], batch_size: int,
-           max_new_tokens: int) -> tuple[list[list[int]], object]:
-    dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=k,
-                             max_batch_size=batch_size,
-                             max_seq_len=max(map(len, prompts)) + max_new_tokens,
-                             acceptance_floor=0.0)
-    dec.generate(prompts[:batch_size], 4)  # warm-up
-    tokens, stats = [], []
-    for i in range(0, len(prompts), batch_size):
-        out = dec.generate(prompts[i: i + batch_size], max_new_tokens)
-        tokens += out.token_ids
-        stats.append(out.stats)
-    total = aggregate(stats)
-    total.total_time = sum(s.total_time for s in stats)
-    return tokens, total
 
 
 def main() -> None:
@@ -81,14 +63,10 @@ def main() -> None:
         for repeat in range(args.repeats):
             for precision, row in rows:
                 verifier, drafters = engines["float32" if precision == "-" else precision]
-                drafter = drafters.get(row.variant)
-                k = row.k if drafter is not None else 0
-                tokens, stats = decode(verifier, drafter, k, prompts, row.batch_size,
-                                       args.max_new_tokens)
-                row.repeat_tokens_per_second.append(stats.generated_tokens / stats.total_time)
-                row.acceptance_rate = stats.acceptance_rate if drafter is not None else None
-                row.mean_acceptance_length = stats.mean_acceptance_length
-                row.time_share = stats.to_dict()["time_share"]
+                tokens: list[list[int]] = []
+                run_ours(verifier, drafters.get(row.variant), RuleParams("greedy"), row.k,
+                         prompts, args.max_new_tokens, row.batch_size, 0, row, tokens)
+                row.repeat_tokens_per_second.append(row.tokens / row.seconds)
                 outputs[(precision, row.variant, row.batch_size)] = tokens
                 print(f"repeat {repeat}: B{row.batch_size} {row.variant:9s} {precision:8s} "
                       f"{row.repeat_tokens_per_second[-1]:7.1f} tok/s", flush=True)
