@@ -27,6 +27,7 @@ import math
 import shutil
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,35 +94,71 @@ class OnnxStep(nn.Module):
     def forward(self, tokens: Tensor, input_pos: Tensor, rows: Tensor, output_index: Tensor,
                 kv_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         m = self.model
-        B = tokens.shape[0]
-        x, rope = m.embed_at(tokens, input_pos)
-        key_pos = torch.arange(kv_len)
-        mask = key_pos[None, None, :] <= input_pos[:, :, None]  # [B, T, kv_len]
-        cache_len = past[0].shape[1]
-        window = rows[:, None] * cache_len + key_pos[None, :]  # flat (slot, pos) index
-        writes = (torch.arange(B)[:, None] * kv_len + input_pos).reshape(-1)  # into window
-        new_kv: list[Tensor] = []
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.project(x, rope)
-            keys = self._window(past[2 * i], window, writes, k)
-            values = self._window(past[2 * i + 1], window, writes, v)
-            x = layer.finish(x, attend(q, keys, values, mask, m.config))
-            new_kv += [k, v]
+        windows = self._windows(rows, kv_len, past)
+        x, new_kv = self._layers(tokens, input_pos, kv_len, windows)
         x = x.gather(1, output_index[:, :, None].expand(-1, -1, x.shape[-1]))
         return (m.lm_head(m.norm(x)).float(), *new_kv)
 
     @staticmethod
-    def _window(past: Tensor, window: Tensor, writes: Tensor, new: Tensor) -> Tensor:
-        S, L, Hkv, D = past.shape
-        B, W = window.shape
-        win = past.reshape(S * L, Hkv, D)[window].reshape(B * W, Hkv, D)
-        win = win.index_put((writes,), new.reshape(-1, Hkv, D))
-        return win.reshape(B, W, Hkv, D)
+    def _windows(rows: Tensor, kv_len: Tensor, past: tuple[Tensor, ...]) -> list[Tensor]:
+        """Each row's window [0, kv_len) of every past K / V, flat: [B * kv_len, Hkv, D]."""
+        S, L, Hkv, D = past[0].shape
+        window = rows[:, None] * L + torch.arange(kv_len)[None, :]  # flat (slot, pos) index
+        return [p.reshape(S * L, Hkv, D)[window].reshape(-1, Hkv, D) for p in past]
+
+    def _layers(self, tokens: Tensor, input_pos: Tensor, kv_len: Tensor,
+                windows: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The layers over ``tokens``: their K/V go into ``windows`` (replaced in the list, so
+        a later step in the same graph sees them); returns (hidden states, new K/V)."""
+        m = self.model
+        B = tokens.shape[0]
+        Hkv, D = m.config.n_kv_heads, m.config.head_dim
+        x, rope = m.embed_at(tokens, input_pos)
+        mask = torch.arange(kv_len)[None, None, :] <= input_pos[:, :, None]  # [B, T, kv_len]
+        writes = (torch.arange(B)[:, None] * kv_len + input_pos).reshape(-1)  # into window
+        new_kv: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.project(x, rope)
+            for j, new in ((2 * i, k), (2 * i + 1, v)):
+                windows[j] = windows[j].index_put((writes,), new.reshape(-1, Hkv, D))
+            keys, values = (windows[j].reshape(B, -1, Hkv, D) for j in (2 * i, 2 * i + 1))
+            x = layer.finish(x, attend(q, keys, values, mask, m.config))
+            new_kv += [k, v]
+        return x, new_kv
 
 
-def dummy_inputs(config: ModelConfig, num_layers: int) -> tuple[Tensor, ...]:
-    """Small example inputs whose dims all differ, so no dynamic axis is traced as constant."""
-    B, T, S, L, kv_len = 2, 3, 3, 9, 7
+class OnnxDraftSteps(OnnxStep):
+    """``k`` greedy autoregressive draft steps in one graph (one ONNX Runtime call per round
+    instead of k): step 0 runs over the fed window (its last token is the newest), each
+    later step over the previous step's argmax, attending to the K/V the earlier steps wrote
+    into the same windows. Inputs are ``OnnxStep``'s without ``output_index``; outputs
+    ``draft_tokens`` [B, k] and ``new_k_<i>`` / ``new_v_<i>`` [B, T + k - 1, Hkv, D], the K/V
+    of every fed token (the window, then drafts 1 … k-1), for the runtime to write back at
+    (rows, positions) as after k single steps."""
+
+    def __init__(self, model: Transformer, k: int, num_layers: int | None = None):
+        super().__init__(model, num_layers)
+        self.k = k
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, rows: Tensor, kv_len: Tensor,
+                *past: Tensor) -> tuple[Tensor, ...]:
+        m = self.model
+        windows = self._windows(rows, kv_len, past)
+        fed, pos, drafts, steps = tokens, input_pos, [], []
+        for _ in range(self.k):
+            x, new_kv = self._layers(fed, pos, kv_len, windows)
+            fed = m.lm_head(m.norm(x[:, -1:])).float().argmax(-1)  # [B, 1]
+            drafts.append(fed)
+            steps.append(new_kv)
+            pos = pos[:, -1:] + 1
+        return (torch.cat(drafts, 1), *(torch.cat(parts, 1) for parts in zip(*steps, strict=True)))
+
+
+def dummy_inputs(config: ModelConfig, num_layers: int, reach: int = 0) -> tuple[Tensor, ...]:
+    """Small example inputs whose dims all differ, so no dynamic axis is traced as constant.
+    ``reach``: positions written past the inputs' (a fused draft graph's later steps)."""
+    B, T, S, kv_len = 2, 3, 3, 7 + reach
+    L = kv_len + 2
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (B, T), generator=g)
     input_pos = torch.tensor([[1, 2, 3], [4, 5, 6]])
@@ -131,28 +168,70 @@ def dummy_inputs(config: ModelConfig, num_layers: int) -> tuple[Tensor, ...]:
             torch.tensor(kv_len), *past)
 
 
+def _export(module: nn.Module, args: tuple[Tensor, ...], path: Path, names: list[str],
+            outputs: list[str], axes: dict) -> Path:
+    for name in names:
+        if name.startswith("past_"):
+            axes[name] = {0: "slots", 1: "cache_len"}
+    # the TorchScript exporter (dynamo=False): it traces this plain module as is, with no
+    # extra dependency (the dynamo exporter needs onnxscript); its deprecation notice is noise
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET,
+                          input_names=names, output_names=outputs, dynamic_axes=axes,
+                          do_constant_folding=True)
+    share_weights(path)
+    return path
+
+
+def share_weights(path: Path) -> None:
+    """Point every use of a weight at its initializer, in place. The tracer reaches a weight
+    used twice (each step of a fused draft graph) through an Identity node, and ONNX
+    Runtime's quantizer only quantizes MatMuls whose weight is an initializer."""
+    import onnx
+
+    model = onnx.load(str(path))
+    weights = {i.name for i in model.graph.initializer}
+    alias = {n.output[0]: n.input[0] for n in model.graph.node
+             if n.op_type == "Identity" and n.input[0] in weights}
+    if not alias:
+        return
+    nodes = [n for n in model.graph.node if not (n.op_type == "Identity"
+                                                   and n.output[0] in alias)]
+    for node in nodes:
+        node.input[:] = [alias.get(name, name) for name in node.input]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.save(model, str(path))
+
+
 def export_step(model: Transformer, path: str | Path, num_layers: int | None = None) -> Path:
     """Export the step graph (all layers, or the first ``num_layers``) to ``path``."""
-    path = Path(path)
     n = model.config.n_layers if num_layers is None else num_layers
     names = input_names(n)
     outputs = ["logits", *new_kv_names(n)]
     axes = {"tokens": {0: "batch", 1: "tokens"}, "input_pos": {0: "batch", 1: "tokens"},
             "rows": {0: "batch"}, "output_index": {0: "batch", 1: "outputs"},
             "logits": {0: "batch", 1: "outputs"}}
-    for name in names[5:]:
-        axes[name] = {0: "slots", 1: "cache_len"}
     for name in outputs[1:]:
         axes[name] = {0: "batch", 1: "tokens"}
     step = OnnxStep(model.float().eval(), num_layers)
-    # the TorchScript exporter (dynamo=False): it traces this plain module as is, with no
-    # extra dependency (the dynamo exporter needs onnxscript); its deprecation notice is noise
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(step, dummy_inputs(model.config, n), str(path), dynamo=False,
-                          opset_version=OPSET, input_names=names, output_names=outputs,
-                          dynamic_axes=axes, do_constant_folding=True)
-    return path
+    return _export(step, dummy_inputs(model.config, n), Path(path), names, outputs, axes)
+
+
+def export_draft_steps(model: Transformer, path: str | Path, k: int,
+                       num_layers: int | None = None) -> Path:
+    """Export the fused ``k``-step greedy draft graph (``OnnxDraftSteps``) to ``path``."""
+    n = model.config.n_layers if num_layers is None else num_layers
+    names = [name for name in input_names(n) if name != "output_index"]
+    outputs = ["draft_tokens", *new_kv_names(n)]
+    axes = {"tokens": {0: "batch", 1: "tokens"}, "input_pos": {0: "batch", 1: "tokens"},
+            "rows": {0: "batch"}, "draft_tokens": {0: "batch"}}
+    for name in outputs[1:]:
+        axes[name] = {0: "batch", 1: "fed"}
+    args = dummy_inputs(model.config, n, reach=k)
+    steps = OnnxDraftSteps(model.float().eval(), k, num_layers)
+    return _export(steps, args[:3] + args[4:], Path(path), names, outputs, axes)
 
 
 def add_correction(logits_path: str | Path, out_path: str | Path, params: RuleParams) -> Path:
@@ -276,18 +355,72 @@ def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
     return diff
 
 
+def check_draft_steps(model: Transformer, path: Path, k: int, num_layers: int | None = None,
+                      tol: float = 1e-3, relative: bool = False) -> float:
+    """Run a fused draft graph on a ragged round (rows out of order, one rolled back), then
+    the torch model teacher-forced over the same window and the graph's drafts. Each draft
+    must be torch's argmax up to ``tol`` (its torch logit at most ``tol`` below the max) and
+    the K/V written back must match torch's within ``tol`` (both in units of the torch
+    values' standard deviation if ``relative``); raise otherwise. Returns the largest gap."""
+    from paradraft.runtime.model import new_kv_cache
+    from paradraft.runtime.onnx_backend import OrtModel
+
+    c = model.config
+    ort_model = OrtModel(c, {}, draft_steps={(num_layers, k): path})
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, c.vocab_size, (2, 5), generator=g)
+    caches = [new_kv_cache(c, 4, 32, torch.float32) for _ in range(2)]
+    rows = torch.tensor([3, 1])
+    window, window_pos = tokens[:, 1:3], torch.tensor([[5, 6], [3, 4]])
+    kv_len = 7 + k
+    with torch.no_grad():
+        for cache in caches:
+            model(tokens, torch.arange(5).expand(2, -1), cache, kv_len=5, rows=rows,
+                  num_layers=num_layers)
+        drafts = ort_model.greedy_drafts(window, window_pos, caches[1], k, kv_len=kv_len,
+                                         rows=rows, num_layers=num_layers)
+        fed = torch.cat([window, drafts[:, :-1]], 1)
+        fed_pos = torch.cat([window_pos, window_pos[:, -1:] + torch.arange(1, k)], 1)
+        logits, _ = model(fed, fed_pos, caches[0], kv_len=kv_len, rows=rows,
+                          num_layers=num_layers)
+    steps = logits[:, window.shape[1] - 1:]  # the logits each draft was chosen from
+    gap = float((steps.amax(-1) - steps.gather(-1, drafts[..., None])[..., 0]).max())
+    layers = len(model.layers[:num_layers])
+    kv = [(t[rows], o[rows]) for t, o in zip(caches[0].k[:layers] + caches[0].v[:layers],
+                                              caches[1].k[:layers] + caches[1].v[:layers],
+                                              strict=True)]
+    kv_diff = max(float((t - o).abs().max()) for t, o in kv)
+    gap_tol, kv_tol = tol, tol
+    if relative:
+        gap_tol *= float(steps.std())
+        kv_tol *= max(float(t.std()) for t, _ in kv)
+    if not (gap <= gap_tol and kv_diff <= kv_tol):
+        raise RuntimeError(f"{path}: fused drafts trail torch's argmax by {gap:g} (> {gap_tol:g}"
+                           f"?) or its K/V differ by {kv_diff:g} (> {kv_tol:g}?)")
+    return gap
+
+
 # -- the build ----------------------------------------------------------------------------
 
 
 def export_drafting(model: Transformer, path: Path, precision: str,
-                    num_layers: int | None = None) -> None:
-    """Export a drafting graph, check it against torch, and quantize it if asked (then check
-    it again, within ``INT8_TOL``)."""
-    export_step(model, path, num_layers)
-    check_graph(model, path, num_layers)
+                    num_layers: int | None = None, k: int | None = None) -> None:
+    """Export a drafting graph (the step graph, or with ``k`` the fused k-step greedy draft
+    graph), check it against torch, and quantize it if asked (then check it again, within
+    ``INT8_TOL``; a fused draft the int8 logits chose may trail torch's argmax by twice that,
+    one tolerance for each of the two logits)."""
+    if k is None:
+        export_step(model, path, num_layers)
+        check = partial(check_graph, model, path, num_layers)
+        int8_tol = INT8_TOL
+    else:
+        export_draft_steps(model, path, k, num_layers)
+        check = partial(check_draft_steps, model, path, k, num_layers)
+        int8_tol = 2 * INT8_TOL
+    check()
     if precision == "int8":
         quantize_draft(path)
-        check_graph(model, path, num_layers, tol=INT8_TOL, relative=True)
+        check(tol=int8_tol, relative=True)
 
 
 def check_limits(max_batch_size: int, max_k: int, max_seq_len: int, config: ModelConfig
@@ -313,11 +446,16 @@ def build_engines(
     max_seq_len: int = 512,
     dtype: str = "float32",
     draft_precision: str = "int8",
+    fused_drafts: bool = True,
 ) -> dict:
     """Export the verifier (+ correction and self-draft variants) and the drafts to
     ``out_dir`` and write its manifest.json. Returns the manifest.
     ``draft_precision``: weights of the drafting graphs (drafts and self-draft), int8 or
-    float32; the verifier graphs are float32 either way."""
+    float32; the verifier graphs are float32 either way. ``fused_drafts``: also the fused
+    k-step greedy draft graphs (k = 2 … max_k) of the autoregressive drafters, the draft
+    model and the self-draft (roles ``draft_steps<k>`` / ``self_draft_steps<k>``): one ONNX
+    Runtime call drafts a whole block, where k single steps cost k calls. TensorRT plans
+    are built from the step graphs only."""
     if dtype != "float32":
         raise ValueError(f"dtype must be float32 for the onnx backend (CPU); got {dtype!r}")
     if draft_precision not in DRAFT_PRECISIONS:
@@ -355,12 +493,24 @@ def build_engines(
                    rule_defaults)
     export_drafting(verifier, out / graphs["self_draft"]["file"], draft_precision, n_self)
     graphs["self_draft"]["precision"] = draft_precision
+    fused_ks = range(2, max_k + 1) if fused_drafts else range(0)
+    for k in fused_ks:
+        f = f"verifier_self{n_self}_steps{k}.onnx"
+        export_drafting(verifier, out / f, draft_precision, n_self, k)
+        graphs[f"self_draft_steps{k}"] = {"file": f, "num_layers": n_self, "k": k,
+                                          "precision": draft_precision}
     models["verifier"] = {"source": str(verifier_dir), "config": asdict(vc), "graphs": graphs}
     for name, (d, draft) in drafts.items():
         f = f"{name}.onnx"
         export_drafting(draft, out / f, draft_precision)
         models[name] = {"source": str(d), "config": asdict(draft.config),
                         "graphs": {"logits": {"file": f, "precision": draft_precision}}}
+        if name == "draft":  # the parallel draft proposes its block in one pass already
+            for k in fused_ks:
+                f = f"{name}_steps{k}.onnx"
+                export_drafting(draft, out / f, draft_precision, k=k)
+                models[name]["graphs"][f"draft_steps{k}"] = {"file": f, "k": k,
+                                                             "precision": draft_precision}
 
     tokenizer = None
     if (verifier_dir / "tokenizer.json").is_file():

@@ -310,6 +310,8 @@ def build_plans(engine_dir: str | Path, precision: str = "fp32",
     cache = cache_path.read_bytes() if cache_path.is_file() else b""
     for model in manifest["models"].values():
         for role, graph in model["graphs"].items():
+            if role not in ROLE_PROFILES:  # fused draft graphs: ONNX Runtime only
+                continue
             plan, profiles, cache = build_plan(
                 trt, (engine_dir / graph["file"]).read_bytes(), ROLE_PROFILES[role], limits,
                 model["config"], precision, cache, plugin=role == "correction",
@@ -328,6 +330,7 @@ def build_engines(verifier_dir: str | Path, out_dir: str | Path, *args, precisio
                   timing_cache: str | Path | None = None, **kwargs) -> dict:
     """``paradraft.build.onnx.build_engines`` (same arguments), then the plans. Refuses a
     missing TensorRT, int8 drafting graphs or an unusable precision before the ONNX export."""
+    kwargs.setdefault("fused_drafts", False)  # ONNX Runtime graphs: no plan uses them
     if kwargs.setdefault("draft_precision", "float32") != "float32":
         raise ValueError("draft_precision must be float32 for TensorRT plans (their math is "
                          f"precision={precision!r}); got {kwargs['draft_precision']!r}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .correction import RULES, RuleParams
+from .correction import MAX_K, RULES, RuleParams
 from .model import Transformer, load_model
 from .speculative import DRAFTERS, Drafter, SpeculativeDecoder, parse_draft_len_schedule
 
@@ -238,10 +238,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out")
 
 
-def bench_engines(args: argparse.Namespace, tmp: str
+def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
                   ) -> tuple[object, dict[str, Drafter], dict]:
     """The onnx backend's verifier, drafters and manifest: ``--engines`` or a build (with
-    the build's defaults) into ``tmp``."""
+    the build's defaults, and the bench's largest K as max_k: fused draft graphs for the Ks
+    it runs) into ``tmp``."""
     from .engines import load_engines
 
     names = args.drafters.split(",")
@@ -252,7 +253,7 @@ def bench_engines(args: argparse.Namespace, tmp: str
         engine_dir = tmp
         build_engines(args.verifier, tmp, args.draft if "model" in names else None,
                       args.parallel_draft if "parallel" in names else None,
-                      self_draft_layers=args.self_draft_layers)
+                      self_draft_layers=args.self_draft_layers, max_k=max_k)
     verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers)
     missing = [n for n in names if n not in drafters]
     if missing:
@@ -289,7 +290,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 verifier = load_model(args.verifier)
                 drafters = load_drafters(args, verifier, torch.float32)
             else:
-                verifier, drafters, manifest = bench_engines(args, tmp)
+                verifier, drafters, manifest = bench_engines(args, tmp, min(max(ks), MAX_K))
                 draft_precision = manifest.get("draft_precision", "float32")
             # the transformers peers run once, with the first backend
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)

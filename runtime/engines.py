@@ -41,8 +41,13 @@ def load_engines(
             g = m["graphs"]["self_draft"]
             graphs[g["num_layers"]] = engine_dir / g["file"]
         correction = m["graphs"].get("correction")
+        # fused k-step draft graphs (roles draft_steps<k>, self_draft_steps<k>), if built
+        draft_steps = {(g.get("num_layers"), g["k"]): engine_dir / g["file"]
+                       for role, g in m["graphs"].items() if role.startswith(
+                           ("draft_steps", "self_draft_steps"))}
         return OrtModel(ModelConfig(**m["config"]), graphs,
-                        engine_dir / correction["file"] if correction else None, threads)
+                        engine_dir / correction["file"] if correction else None, threads,
+                        draft_steps)
 
     verifier = engine("verifier")
     drafters: dict[str, Drafter] = {}
@@ -63,19 +68,23 @@ def load_engines(
 
 
 def step_inputs(tokens: Tensor, input_pos: Tensor, cache: KVCache, kv_len: int | None,
-                rows: Tensor | None, output_index: Tensor | None, n: int
+                rows: Tensor | None, output_index: Tensor | None, n: int, reach: int = 0
                 ) -> dict[str, Tensor]:
     """The step graph's inputs (the ONNX export's names), on the tokens' device; kv_len
-    stays a host scalar (TensorRT reads shape-tensor inputs from host memory)."""
+    stays a host scalar (TensorRT reads shape-tensor inputs from host memory). ``reach``:
+    positions the graph writes past max(input_pos) (a fused draft graph's later steps)."""
     B, T = tokens.shape
     dev = tokens.device
     L = cache.max_seq_len
     kv_len = L if kv_len is None else min(kv_len, L)
-    # the graph needs max(input_pos) < kv_len; on the GPU checking it would sync every step,
-    # and the decoder's host-side bound guarantees it, so only CPU tensors are checked
-    if dev.type == "cpu" and input_pos.numel() and int(input_pos.max()) >= kv_len:
-        raise ValueError(f"kv_len must be > max(input_pos) = {int(input_pos.max())} "
-                         f"(an upper bound of the positions, <= {L}); got {kv_len}")
+    # the graph needs max(input_pos) + reach < kv_len; on the GPU checking it would sync
+    # every step, and the decoder's host-side bound guarantees it, so only CPU tensors are
+    # checked
+    if dev.type == "cpu" and input_pos.numel() and int(input_pos.max()) + reach >= kv_len:
+        plus = f" + {reach}" if reach else ""
+        raise ValueError(f"kv_len must be > max(input_pos){plus} = "
+                         f"{int(input_pos.max()) + reach} (an upper bound of the positions, "
+                         f"<= {L}); got {kv_len}")
     k0 = cache.k[0]
     if k0.dtype != torch.float32 or not k0.is_contiguous() or k0.device != dev:
         raise ValueError(f"cache must be contiguous float32 on {dev} (new_kv_cache) for the "

@@ -166,19 +166,29 @@ class OrtModel:
     """An exported model (its step graphs by layer count) behind the Transformer interface.
 
     graphs: {None: full step graph, N: first-N-layers graph, ...}; correction: the verifier
-    graph ending in CausalCorrection (optional). Sessions are created on first use.
+    graph ending in CausalCorrection (optional); draft_steps: {(num_layers or None, k): fused
+    k-step greedy draft graph} (optional, ``greedy_drafts``). Sessions are created on first
+    use.
     """
 
     def __init__(self, config: ModelConfig, graphs: dict[int | None, str | Path],
-                 correction: str | Path | None = None, threads: int | None = None):
+                 correction: str | Path | None = None, threads: int | None = None,
+                 draft_steps: dict[tuple[int | None, int], str | Path] | None = None):
         self.config = config
         self.dtype = torch.float32
         self.device = torch.device("cpu")
         self.graph_paths = dict(graphs)
         self.correction_path = correction
         self.threads = threads
+        self.draft_step_paths = dict(draft_steps or {})
         self._graphs: dict[int | None, Graph] = {}
         self._corrections: dict[RuleParams, Graph] = {}
+        self._draft_steps: dict[tuple[int | None, int], Graph] = {}
+
+    def single_step(self) -> OrtModel:
+        """This engine without its fused draft graphs: k single-step calls per block, the
+        reference the fused graphs are tested and benchmarked against."""
+        return OrtModel(self.config, self.graph_paths, self.correction_path, self.threads)
 
     def _graph(self, num_layers: int | None) -> Graph:
         if num_layers not in self._graphs:
@@ -190,9 +200,8 @@ class OrtModel:
             self._graphs[num_layers] = Graph(self.graph_paths[num_layers], self.threads)
         return self._graphs[num_layers]
 
-    def _new_kv(self, inputs: dict[str, Tensor], n: int) -> dict[str, Tensor]:
+    def _new_kv(self, B: int, T: int, n: int) -> dict[str, Tensor]:
         # views into one buffer: one allocation per step
-        B, T = inputs["tokens"].shape
         c = self.config
         buf = torch.empty(2 * n, B, T, c.n_kv_heads, c.head_dim)
         return {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
@@ -219,10 +228,36 @@ class OrtModel:
         inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
         B = tokens.shape[0]
         logits = torch.empty(B, inputs["output_index"].shape[1], c.vocab_size)
-        new_kv = self._new_kv(inputs, n)
+        new_kv = self._new_kv(B, tokens.shape[1], n)
         graph.run(inputs, {"logits": logits, **new_kv})
         write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
         return logits, None
+
+    def greedy_drafts(self, tokens: Tensor, input_pos: Tensor, cache: KVCache, k: int,
+                      kv_len: int | None = None, rows: Tensor | None = None,
+                      num_layers: int | None = None) -> Tensor | None:
+        """``k`` greedy draft steps in one call of the fused graph: step 0 over ``tokens``
+        (the window ending in the newest token), each later one over the previous draft at
+        the next position. Writes the K/V of every fed token into ``cache``, as k calls
+        would, and returns the drafts [B, k]; None when the engine has no fused graph for
+        (num_layers, k)."""
+        c = self.config
+        n = c.n_layers if num_layers is None else min(num_layers, c.n_layers)
+        key = (None if n == c.n_layers else n, k)
+        if key not in self.draft_step_paths:
+            return None
+        if key not in self._draft_steps:
+            self._draft_steps[key] = Graph(self.draft_step_paths[key], self.threads)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, n, reach=k - 1)
+        del inputs["output_index"]
+        B, T = tokens.shape
+        drafts = torch.empty(B, k, dtype=torch.int64)
+        new_kv = self._new_kv(B, T + k - 1, n)
+        self._draft_steps[key].run(inputs, {"draft_tokens": drafts, **new_kv})
+        fed_pos = torch.cat([inputs["input_pos"],
+                             inputs["input_pos"][:, -1:] + torch.arange(1, k)], 1)
+        write_back(cache, new_kv, inputs["rows"], fed_pos)
+        return drafts
 
     # -- the verifier + CausalCorrection graph ---------------------------------------------
 
@@ -261,7 +296,7 @@ class OrtModel:
         num_accepted = torch.empty(B, dtype=torch.int64)
         next_token = torch.empty(B, dtype=torch.int64)
         accepted = torch.empty(B, T, dtype=torch.int64)
-        new_kv = self._new_kv(inputs, c.n_layers)
+        new_kv = self._new_kv(B, T, c.n_layers)
         graph.run(inputs, {"num_accepted": num_accepted, "next_token": next_token,
                            "accepted_tokens": accepted, **new_kv})
         if last_op_error is not None and bool((num_accepted < 0).any()):

@@ -338,6 +338,13 @@ class SpeculativeDecoder:
         cache, window = (self.cache, 1) if d.kind == "self" else (self.draft_cache, 2 + missed)
         pos = (lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)).clamp(min=0)
         inputs = tokens.gather(1, pos)
+        # greedy drafts in one engine call where the engine has a fused k-step graph
+        fused = getattr(d.model, "greedy_drafts", None)
+        if fused is not None and not self.draft_sampling and k > 1:
+            drafts = fused(inputs, pos, cache, k, kv_len=bound, rows=rows,
+                           num_layers=d.num_layers)
+            if drafts is not None:
+                return drafts, None
         last = torch.full((B, 1), window - 1, device=lengths.device)
         drafts, probs = [], []
         for i in range(k):

@@ -77,5 +77,7 @@ def pair_engines(pair, tmp_path_factory):
 
     vdir, ddir, pdir, _ = pair
     out = tmp_path_factory.mktemp("engines")
-    build_engines(vdir, out, ddir, pdir, self_draft_layers=1, draft_precision="float32")
+    # max_k 5: the suites run K <= 5, and each K adds a fused draft graph per drafter
+    build_engines(vdir, out, ddir, pdir, self_draft_layers=1, draft_precision="float32",
+                  max_k=5)
     return out

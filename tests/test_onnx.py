@@ -78,9 +78,18 @@ def test_manifest_records_the_engine_set(pair_engines):
     assert m["vocab_size"] == VOCAB
     assert set(m["drafters"]) == {"model", "parallel", "self"}
     v = m["models"]["verifier"]["graphs"]
-    assert set(v) == {"logits", "correction", "self_draft"} and v["self_draft"]["num_layers"] == 1
-    assert set(m["checksums"]) == {"verifier.onnx", "verifier_correction.onnx",
-                                   "verifier_self1.onnx", "draft.onnx", "parallel_draft.onnx"}
+    fused_ks = range(2, m["limits"]["max_k"] + 1)  # the fused k-step greedy draft graphs
+    assert set(v) == {"logits", "correction", "self_draft",
+                      *(f"self_draft_steps{k}" for k in fused_ks)}
+    assert v["self_draft"]["num_layers"] == 1
+    assert all(v[f"self_draft_steps{k}"]["num_layers"] == 1 for k in fused_ks)
+    assert set(m["models"]["draft"]["graphs"]) == {"logits", *(f"draft_steps{k}"
+                                                               for k in fused_ks)}
+    assert set(m["models"]["parallel_draft"]["graphs"]) == {"logits"}  # one pass already
+    assert set(m["checksums"]) == {
+        "verifier.onnx", "verifier_correction.onnx", "verifier_self1.onnx", "draft.onnx",
+        "parallel_draft.onnx", *(f"draft_steps{k}.onnx" for k in fused_ks),
+        *(f"verifier_self1_steps{k}.onnx" for k in fused_ks)}
     assert {"paradraft", "torch", "onnx", "onnxruntime"} <= set(m["versions"])
     op = m["custom_ops"]["CausalCorrection"]
     assert op == {"domain": "paradraft", "plugin_version": "1", "plugin_namespace": "paradraft"}
@@ -94,10 +103,14 @@ def test_manifest_records_the_engine_set(pair_engines):
     assert [o.name for o in graph.output][:3] == ["num_accepted", "next_token", "accepted_tokens"]
 
 
-def graph_ops(path: Path) -> set[str]:
+def graph_ops_list(path: Path) -> list[str]:
     import onnx
 
-    return {n.op_type for n in onnx.load(str(path)).graph.node}
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def graph_ops(path: Path) -> set[str]:
+    return set(graph_ops_list(path))
 
 
 def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_engines,
@@ -107,13 +120,19 @@ def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_e
     the int8 drafts still get drafts accepted."""
     vdir, ddir, pdir, _ = pair
     out = tmp_path / "int8"
-    m = build_engines(vdir, out, ddir, pdir, self_draft_layers=1)
+    m = build_engines(vdir, out, ddir, pdir, self_draft_layers=1, max_k=4)
     assert m["draft_precision"] == "int8"
     assert m["models"]["draft"]["graphs"]["logits"]["precision"] == "int8"
     assert m["models"]["verifier"]["graphs"]["self_draft"]["precision"] == "int8"
-    for name in ("draft.onnx", "parallel_draft.onnx", "verifier_self1.onnx"):
+    for name in ("draft.onnx", "parallel_draft.onnx", "verifier_self1.onnx",
+                 "draft_steps4.onnx", "verifier_self1_steps4.onnx"):
         assert "MatMulInteger" in graph_ops(out / name)
+        # every weight quantized, in every step of a fused graph: only attention stays fp32
+        assert sum(op == "MatMul" for op in graph_ops_list(out / name)) == sum(
+            op == "MatMul" for op in graph_ops_list(pair_engines / name)) - sum(
+            op == "MatMulInteger" for op in graph_ops_list(out / name))
         assert "MatMulInteger" not in graph_ops(pair_engines / name)
+    for name in ("draft.onnx", "parallel_draft.onnx", "verifier_self1.onnx"):
         assert (out / name).stat().st_size < (pair_engines / name).stat().st_size
     for name in ("verifier.onnx", "verifier_correction.onnx"):  # the verifier decides: fp32
         assert "MatMulInteger" not in graph_ops(out / name)
@@ -129,6 +148,48 @@ def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_e
         assert got.stats.accepted_tokens > 0, kind
 
 
+@pytest.mark.parametrize("kind", ["model", "self"])
+def test_fused_draft_graphs_draft_what_single_steps_draft(pair, engines, kind):
+    """One fused call per block proposes exactly the drafts of k single-step calls, so every
+    verify step accepts the same tokens (greedy, fp32 graphs): same output, same acceptance
+    per position, for several K, ragged prompts and rows that finish early."""
+    verifier, drafters, _, _ = engines
+    fused = drafters[kind]
+    loop_model = fused.model.single_step()
+    loop = Drafter(kind, loop_model, num_layers=fused.num_layers)
+    prompts, max_new = [[4, 8, 15], [16, 23, 42, 7, 7, 3, 1], [9], [5, 5]], [24, 9, 24, 17]
+    for k in (2, 3, 5):
+        runs = []
+        for d in (fused, loop):
+            dec = SpeculativeDecoder(verifier, d, RuleParams("greedy"), k=k, max_batch_size=4,
+                                     acceptance_floor=0.0)
+            runs.append(dec.generate(prompts, max_new))
+        got, want = runs
+        assert got.token_ids == want.token_ids
+        assert got.stats.accepted_per_position == want.stats.accepted_per_position
+        assert got.stats.accepted_tokens > 0
+        assert (fused.num_layers if kind == "self" else None, k) in fused.model._draft_steps
+        assert not loop_model._draft_steps  # the reference really took single steps
+    truth = SpeculativeDecoder(load_model(pair[0]), None, RuleParams("greedy"),
+                               max_batch_size=4).generate(prompts, max_new).token_ids
+    assert got.token_ids == truth
+
+
+def test_fused_draft_check_refuses_another_models_graph(pair, tmp_path):
+    """The build's check of a fused draft graph fails when the graph is not the model's."""
+    from paradraft.build.onnx import check_draft_steps, export_draft_steps
+
+    model = load_model(pair[1])
+    path = export_draft_steps(model, tmp_path / "draft_steps3.onnx", 3)
+    assert check_draft_steps(model, path, 3) < 1e-3
+    other = load_model(pair[1])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    with pytest.raises(RuntimeError, match="fused drafts trail torch's argmax"):
+        check_draft_steps(other, path, 3)
+
+
 def test_build_refuses_unknown_draft_precision_and_trt_plans_of_int8_drafts(pair, tmp_path):
     vdir, ddir, _, _ = pair
     with pytest.raises(ValueError, match="draft_precision must be one of int8, float32; "
@@ -136,7 +197,7 @@ def test_build_refuses_unknown_draft_precision_and_trt_plans_of_int8_drafts(pair
         build_engines(vdir, tmp_path / "a", ddir, draft_precision="fp16")
     from paradraft.build.tensorrt import build_plans
 
-    build_engines(vdir, tmp_path / "b", ddir)
+    build_engines(vdir, tmp_path / "b", ddir, max_k=2)
     # refused from the manifest, before TensorRT is even imported (so also on this CPU)
     with pytest.raises(ValueError, match="draft_precision must be float32 to build TensorRT"):
         build_plans(tmp_path / "b")
@@ -191,7 +252,8 @@ def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
     out = tmp_path / "engines"
     r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--parallel-draft", pdir,
                 "--backend", "onnx", "--out", str(out), "--rule", "dynamic", "--tau", "0.25",
-                "--draft-precision", "float32")  # exact acceptance counts: fp32 drafts
+                "--draft-precision", "float32",  # exact acceptance counts: fp32 drafts
+                "--max-k", "3")
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rule_defaults"]["rule"] == "dynamic"
@@ -208,8 +270,8 @@ def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
     assert got["token_ids"] == want.token_ids[0] and len(got["token_ids"]) == 14
     assert got["stats"]["accepted_tokens"] == want.stats.accepted_tokens
     # limits from the manifest are enforced with a clear message
-    r = run_cli(*common, "--engines", str(out), "--k", "9")
-    assert r.returncode == 2 and "k must be <= 8 (the engines' max_k); got 9" in r.stderr
+    r = run_cli(*common, "--engines", str(out), "--k", "4")
+    assert r.returncode == 2 and "k must be <= 3 (the engines' max_k); got 4" in r.stderr
 
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"

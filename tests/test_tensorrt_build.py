@@ -436,8 +436,11 @@ def test_build_plans_records_plans_in_the_manifest(fake_trt, onnx_dir):
     assert info["timing_cache"] == "timing.cache" and manifest["versions"]["tensorrt"] == (
         "10.9.0.34")
     graphs = [(name, role, g) for name, m in manifest["models"].items()
-              for role, g in m["graphs"].items()]
+              for role, g in m["graphs"].items() if role in ROLE_PROFILES]
     assert len(graphs) == 5  # verifier: logits, correction, self_draft; draft; parallel
+    fused = [g for m in manifest["models"].values() for role, g in m["graphs"].items()
+             if role not in ROLE_PROFILES]  # the fused draft graphs: ONNX Runtime only
+    assert fused and all("plan" not in g and g["file"] in manifest["checksums"] for g in fused)
     for _name, role, g in graphs:
         assert g["plan"] == g["file"].replace(".onnx", ".plan")
         assert (onnx_dir / g["plan"]).read_bytes().startswith(b"plan:")
