@@ -168,18 +168,22 @@ class OrtModel:
     graphs: {None: full step graph, N: first-N-layers graph, ...}; correction: the verifier
     graph ending in CausalCorrection (optional); draft_steps: {(num_layers or None, k): fused
     k-step greedy draft graph} (optional, ``greedy_drafts``). Sessions are created on first
-    use.
+    use. ``threads``: ONNX Runtime intra-op threads of the full graph (default: torch's);
+    ``draft_threads``: of the drafting graphs (first-N-layers, fused draft steps; default:
+    ``threads``).
     """
 
     def __init__(self, config: ModelConfig, graphs: dict[int | None, str | Path],
                  correction: str | Path | None = None, threads: int | None = None,
-                 draft_steps: dict[tuple[int | None, int], str | Path] | None = None):
+                 draft_steps: dict[tuple[int | None, int], str | Path] | None = None,
+                 draft_threads: int | None = None):
         self.config = config
         self.dtype = torch.float32
         self.device = torch.device("cpu")
         self.graph_paths = dict(graphs)
         self.correction_path = correction
         self.threads = threads
+        self.draft_threads = threads if draft_threads is None else draft_threads
         self.draft_step_paths = dict(draft_steps or {})
         self._graphs: dict[int | None, Graph] = {}
         self._corrections: dict[RuleParams, Graph] = {}
@@ -188,7 +192,8 @@ class OrtModel:
     def single_step(self) -> OrtModel:
         """This engine without its fused draft graphs: k single-step calls per block, the
         reference the fused graphs are tested and benchmarked against."""
-        return OrtModel(self.config, self.graph_paths, self.correction_path, self.threads)
+        return OrtModel(self.config, self.graph_paths, self.correction_path, self.threads,
+                        draft_threads=self.draft_threads)
 
     def _graph(self, num_layers: int | None) -> Graph:
         if num_layers not in self._graphs:
@@ -197,7 +202,8 @@ class OrtModel:
                 raise ValueError(f"num_layers={num_layers}: no graph for it in this engine "
                                  f"(self-draft graphs built for num_layers in {built}; "
                                  "rebuild with --self-draft-layers)")
-            self._graphs[num_layers] = Graph(self.graph_paths[num_layers], self.threads)
+            threads = self.threads if num_layers is None else self.draft_threads
+            self._graphs[num_layers] = Graph(self.graph_paths[num_layers], threads)
         return self._graphs[num_layers]
 
     def _new_kv(self, B: int, T: int, n: int) -> dict[str, Tensor]:
@@ -247,7 +253,7 @@ class OrtModel:
         if key not in self.draft_step_paths:
             return None
         if key not in self._draft_steps:
-            self._draft_steps[key] = Graph(self.draft_step_paths[key], self.threads)
+            self._draft_steps[key] = Graph(self.draft_step_paths[key], self.draft_threads)
         inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, n, reach=k - 1)
         del inputs["output_index"]
         B, T = tokens.shape

@@ -175,6 +175,33 @@ def test_fused_draft_graphs_draft_what_single_steps_draft(pair, engines, kind):
     assert got.token_ids == truth
 
 
+def test_drafting_graphs_run_on_their_own_thread_count(pair_engines):
+    """The verifier's graph gets ``threads``, every drafting graph (draft model, parallel
+    draft, self-draft layers, fused steps) ``draft_threads``: one by default, ``threads``
+    with None. A bad count is refused by name."""
+    def intra_op(graph) -> int:
+        return graph.session.get_session_options().intra_op_num_threads
+
+    for draft_threads, want in ((1, 1), (None, 2)):
+        verifier, drafters, _, _ = load_engines(pair_engines, threads=2,
+                                                draft_threads=draft_threads)
+        dec = SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=3,
+                                 max_batch_size=1)
+        dec.generate([[4, 8, 15]], 6)
+        for kind in ("model", "parallel"):
+            SpeculativeDecoder(verifier, drafters[kind], RuleParams("greedy"), k=3,
+                               max_batch_size=1).generate([[4, 8, 15]], 6)
+        assert intra_op(verifier._graphs[None]) == 2
+        drafting = [*verifier._draft_steps.values(),
+                    *drafters["model"].model._graphs.values(),
+                    *drafters["model"].model._draft_steps.values(),
+                    *drafters["parallel"].model._graphs.values()]
+        assert len(drafting) == 4
+        assert [intra_op(g) for g in drafting] == [want] * 4
+    with pytest.raises(ValueError, match="draft_threads must be an integer >= 1"):
+        load_engines(pair_engines, draft_threads=0)
+
+
 def test_fused_draft_check_refuses_another_models_graph(pair, tmp_path):
     """The build's check of a fused draft graph fails when the graph is not the model's."""
     from paradraft.build.onnx import check_draft_steps, export_draft_steps
