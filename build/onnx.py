@@ -61,17 +61,23 @@ def new_kv_names(num_layers: int) -> list[str]:
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig) -> Tensor:
     """Masked attention, GQA by grouping the query heads per KV head (no K/V repeat).
 
-    q [B, T, H, D]; keys / values [B, L, Hkv, D]; mask [B, T, L] → y [B, H, T, D].
-    Head counts come from the config so the trace keeps them as constants."""
-    B, T, L = mask.shape
+    q [B, T, H, D]; keys / values [B, L, Hkv, D]; mask [B, G*T, L], the [B, T, L] mask tiled
+    G times (``group_mask``) → y [B, H, T, D]. Head counts come from the config and every
+    reshape takes its batch and length dims from its own input (or infers one), so the
+    export folds the targets to constants (``fold_reshapes``)."""
     Hkv, D = c.n_kv_heads, c.head_dim
     G = c.n_heads // Hkv  # query head h uses KV head h // G, as repeat_interleave / enable_gqa
-    q = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    q = q.reshape(*q.shape[:2], Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    q = q.reshape(*q.shape[:2], -1, D)  # [B, Hkv, G*T, D]
     scores = (q @ keys.permute(0, 2, 3, 1)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*T, L]
-    scores = scores.reshape(B, Hkv, G, T, L).masked_fill(~mask[:, None, None], float("-inf"))
-    weights = scores.softmax(-1).reshape(B, Hkv, G * T, L)
+    weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     y = weights @ values.permute(0, 2, 1, 3)  # [B, Hkv, G*T, D]
-    return y.reshape(B, Hkv * G, T, D)
+    return y.reshape(y.shape[0], c.n_heads, -1, D)  # [B, H, T, D]
+
+
+def group_mask(mask: Tensor, c: ModelConfig) -> Tensor:
+    """[B, T, L] → [B, G*T, L] in ``attend``'s (group, position) row order, once per graph."""
+    return mask.repeat(1, c.n_heads // c.n_kv_heads, 1)
 
 
 class OnnxStep(nn.Module):
@@ -101,28 +107,26 @@ class OnnxStep(nn.Module):
 
     @staticmethod
     def _windows(rows: Tensor, kv_len: Tensor, past: tuple[Tensor, ...]) -> list[Tensor]:
-        """Each row's window [0, kv_len) of every past K / V, flat: [B * kv_len, Hkv, D]."""
-        S, L, Hkv, D = past[0].shape
+        """Each row's window [0, kv_len) of every past K / V: [B, kv_len, Hkv, D]."""
+        L, Hkv, D = past[0].shape[1:]
         window = rows[:, None] * L + torch.arange(kv_len)[None, :]  # flat (slot, pos) index
-        return [p.reshape(S * L, Hkv, D)[window].reshape(-1, Hkv, D) for p in past]
+        return [p.reshape(-1, Hkv, D)[window] for p in past]
 
     def _layers(self, tokens: Tensor, input_pos: Tensor, kv_len: Tensor,
                 windows: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """The layers over ``tokens``: their K/V go into ``windows`` (replaced in the list, so
         a later step in the same graph sees them); returns (hidden states, new K/V)."""
         m = self.model
-        B = tokens.shape[0]
-        Hkv, D = m.config.n_kv_heads, m.config.head_dim
         x, rope = m.embed_at(tokens, input_pos)
         mask = torch.arange(kv_len)[None, None, :] <= input_pos[:, :, None]  # [B, T, kv_len]
-        writes = (torch.arange(B)[:, None] * kv_len + input_pos).reshape(-1)  # into window
+        mask = group_mask(mask, m.config)
+        batch = torch.arange(tokens.shape[0])[:, None].expand_as(input_pos)
         new_kv: list[Tensor] = []
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(x, rope)
             for j, new in ((2 * i, k), (2 * i + 1, v)):
-                windows[j] = windows[j].index_put((writes,), new.reshape(-1, Hkv, D))
-            keys, values = (windows[j].reshape(B, -1, Hkv, D) for j in (2 * i, 2 * i + 1))
-            x = layer.finish(x, attend(q, keys, values, mask, m.config))
+                windows[j] = windows[j].index_put((batch, input_pos), new)
+            x = layer.finish(x, attend(q, windows[2 * i], windows[2 * i + 1], mask, m.config))
             new_kv += [k, v]
         return x, new_kv
 
@@ -181,7 +185,98 @@ def _export(module: nn.Module, args: tuple[Tensor, ...], path: Path, names: list
                           input_names=names, output_names=outputs, dynamic_axes=axes,
                           do_constant_folding=True)
     share_weights(path)
+    import onnx
+
+    model = onnx.load(str(path))
+    fold_reshapes(model)
+    onnx.save(model, str(path))
     return path
+
+
+def fold_reshapes(model) -> int:
+    """Give every Reshape whose target shape the trace computes at run time (Shape → Gather /
+    Slice → Unsqueeze → Concat of traced ``x.shape`` dims) a constant target where that is
+    provably the same: a dim ONNX shape inference knows statically becomes its value, the
+    Reshape input's own dim at the same place becomes 0 (copy it), and one remaining dim -1.
+    The plumbing is then unused and dropped. Returns how many Reshapes were folded. Why: a
+    batch-1 draft call is bound by ONNX Runtime's per-node cost, and this plumbing was a
+    third of its nodes (the layer code takes each reshape's B, T from its own input for it).
+    """
+    import numpy as np
+    from onnx import numpy_helper, shape_inference
+
+    g = model.graph
+    inferred = shape_inference.infer_shapes(model).graph
+    dims: dict[str, list[int | str | None]] = {}
+    for vi in [*inferred.value_info, *inferred.input, *inferred.output]:
+        if vi.type.tensor_type.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                             for d in vi.type.tensor_type.shape.dim]
+    producer = {out: n for n in g.node for out in n.output}
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+
+    def const(name: str) -> list[int] | None:
+        return None if name not in consts else [int(v) for v in consts[name].reshape(-1)]
+
+    def shape_of(name: str) -> str | None:
+        """The tensor whose full Shape ``name`` is, if it is one."""
+        node = producer.get(name)
+        ok = node is not None and node.op_type == "Shape" and not node.attribute
+        return node.input[0] if ok else None
+
+    def dim_refs(name: str) -> list[tuple[str, int] | int] | None:
+        """A Concat part as constants or (tensor, dim) references; None if unrecognised."""
+        if const(name) is not None:
+            return const(name)
+        node = producer.get(name)
+        if node is not None and node.op_type == "Unsqueeze" and node.input[0] in producer:
+            gather = producer[node.input[0]]
+            index = const(gather.input[1]) if gather.op_type == "Gather" else None
+            tensor = shape_of(gather.input[0])
+            if index is not None and tensor is not None and index[0] >= 0:
+                return [(tensor, index[0])]
+        if node is not None and node.op_type == "Slice" and len(node.input) == 3:
+            tensor = shape_of(node.input[0])
+            starts, ends = const(node.input[1]), const(node.input[2])
+            if tensor is not None and tensor in dims and starts and ends and starts[0] >= 0:
+                return [(tensor, i) for i in range(starts[0], min(ends[0], len(dims[tensor])))]
+        return None
+
+    folded = 0
+    for node in g.node:
+        if node.op_type != "Reshape":
+            continue
+        concat, data = producer.get(node.input[1]), dims.get(node.input[0])
+        if concat is None or concat.op_type != "Concat" or data is None:
+            continue
+        parts = [dim_refs(name) for name in concat.input]
+        if any(p is None for p in parts):
+            continue
+        target: list[int] = []
+        for ref in (r for p in parts for r in p):
+            if isinstance(ref, int):
+                target.append(ref)
+                continue
+            tensor, i = ref
+            d = dims[tensor][i] if tensor in dims and i < len(dims[tensor]) else None
+            same = tensor == node.input[0] and i == len(target)  # the input's own dim
+            target.append(d if isinstance(d, int) and d > 0 else 0 if same else -1)
+        if target.count(-1) > 1:
+            continue
+        name = f"{node.output[0]}_shape"
+        g.initializer.append(numpy_helper.from_array(np.array(target, dtype=np.int64), name))
+        node.input[1] = name
+        folded += 1
+    while True:  # drop what no longer has a consumer
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if not any(o in used for o in n.output)]
+        if not dead:
+            return folded
+        for n in dead:
+            g.node.remove(n)
 
 
 def share_weights(path: Path) -> None:

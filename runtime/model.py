@@ -157,8 +157,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
+def rotate_half(x: Tensor, half: int) -> Tensor:
+    # ``half`` (head_dim // 2) from the config, not x.shape: the ONNX trace keeps it constant
+    x1, x2 = x.split([half, half], dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -233,28 +234,30 @@ class Block(nn.Module):
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, T, n_heads, head_dim], k and v [B, T, n_kv_heads, head_dim] (rotary applied)."""
         c = self.c
-        B, T, _ = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(
             [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
         )
-        q = q.view(B, T, c.n_heads, c.head_dim)
-        k = k.view(B, T, c.n_kv_heads, c.head_dim)
-        v = v.view(B, T, c.n_kv_heads, c.head_dim)
+        # each view takes B, T from its own input: the ONNX export then folds the target
+        # shape to a constant (paradraft.build.onnx.fold_reshapes)
+        q = q.view(*q.shape[:2], c.n_heads, c.head_dim)
+        k = k.view(*k.shape[:2], c.n_kv_heads, c.head_dim)
+        v = v.view(*v.shape[:2], c.n_kv_heads, c.head_dim)
         if rope is not None:
             cos, sin = rope
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = q * cos + rotate_half(q, c.head_dim // 2) * sin
+            k = k * cos + rotate_half(k, c.head_dim // 2) * sin
         return q, k, v
 
     def finish(self, x: Tensor, y: Tensor) -> Tensor:
         """Attention output y [B, n_heads, T, head_dim] → output projection, residual, MLP."""
-        B, T, _ = x.shape
-        x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
+        y = y.transpose(1, 2)  # [B, T, n_heads, head_dim]
+        x = x + self.o(y.reshape(*y.shape[:2], -1))
         h = self.mlp_norm(x)
         if self.c.is_gpt2:
             h = self.proj(F.gelu(self.fc(h), approximate="tanh"))
         else:
-            gate, up = self.gate_up(h).chunk(2, dim=-1)
+            size = self.c.intermediate_size  # a constant split in the ONNX trace
+            gate, up = self.gate_up(h).split([size, size], dim=-1)
             h = self.down(F.silu(gate) * up)
         return x + h
 

@@ -348,3 +348,74 @@ def test_export_matches_torch_for_every_family(hf_models, family, tmp_path):
     assert check_graph(model, path) < 1e-4
     path = export_step(model, tmp_path / f"{family}_self1.onnx", num_layers=1)
     assert check_graph(model, path, num_layers=1) < 1e-4
+
+
+def test_fold_reshapes_folds_only_provable_targets():
+    """A Reshape to its input's own traced dims becomes a constant target (0 = copy, one -1);
+    a Reshape to another tensor's dims stays computed; the outputs are unchanged for inputs
+    of other sizes, and plumbing nobody reads any more is gone."""
+    np = pytest.importorskip("numpy")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from paradraft.build.onnx import fold_reshapes
+
+    def const(name, values):
+        return numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
+    nodes = [helper.make_node("Shape", ["x"], ["x_shape"])]
+    for i in (0, 1):
+        nodes += [helper.make_node("Gather", ["x_shape", f"i{i}"], [f"x_dim{i}"]),
+                  helper.make_node("Unsqueeze", [f"x_dim{i}", "axis0"], [f"x_d{i}"])]
+    nodes += [
+        helper.make_node("Concat", ["x_d0", "x_d1", "two_three"], ["own"], axis=0),
+        helper.make_node("Reshape", ["x", "own"], ["a"]),  # [b, t, 2, 3]: folds to 0, 0, 2, 3
+        helper.make_node("Concat", ["x_d0", "minus_one"], ["flat"], axis=0),
+        helper.make_node("Reshape", ["x", "flat"], ["c"]),  # [b, t*6]: folds to 0, -1
+        helper.make_node("Concat", ["x_d1", "x_d0", "six"], ["other"], axis=0),
+        helper.make_node("Reshape", ["y", "other"], ["b"]),  # y by x's dims: must stay
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 6]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abc"],
+        [const("i0", 0), const("i1", 1), const("axis0", [0]), const("two_three", [2, 3]),
+         const("minus_one", [-1]), const("six", [6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    assert fold_reshapes(model) == 2
+    targets = {i.name: numpy_helper.to_array(i).tolist() for i in model.graph.initializer}
+    reshapes = {n.output[0]: n.input[1] for n in model.graph.node if n.op_type == "Reshape"}
+    assert targets[reshapes["a"]] == [0, 0, 2, 3]
+    assert targets[reshapes["c"]] == [0, -1]
+    assert reshapes["b"] == "other"  # still computed from x's shape
+    assert "own" not in {o for n in model.graph.node for o in n.output}  # plumbing dropped
+    runs = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
+            for m in (before, model.SerializeToString())]
+    for b, t in ((2, 3), (4, 5)):
+        feed = {"x": np.random.rand(b, t, 6).astype(np.float32),
+                "y": np.random.rand(b * t, 6).astype(np.float32)}
+        want, got = (s.run(None, feed) for s in runs)
+        assert [w.shape for w in want] == [(b, t, 2, 3), (t, b, 6), (b, t * 6)]
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(w, g)
+
+
+def test_step_graph_has_no_runtime_computed_reshape_for_the_layers(pair, tmp_path):
+    """The exported layer code reshapes only to constant targets (fold_reshapes + each
+    reshape taking its B, T from its own input); only the K/V scatter keeps computed ones."""
+    import onnx
+
+    from paradraft.build.onnx import export_step
+
+    path = export_step(load_model(pair[0]), tmp_path / "verifier.onnx")
+    model = onnx.load(str(path))
+    constant = {i.name for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    computed = [n for n in model.graph.node if n.op_type == "Reshape"
+                and n.input[1] not in constant
+                and producer.get(n.input[1], n).op_type != "Constant"]
+    n_layers = load_model(pair[0]).config.n_layers
+    # the scatter of each layer's new K and V into its window (ScatterND updates)
+    assert len(computed) <= 2 * n_layers, [n.name for n in computed]
