@@ -184,10 +184,10 @@ def _export(module: nn.Module, args: tuple[Tensor, ...], path: Path, names: list
         torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET,
                           input_names=names, output_names=outputs, dynamic_axes=axes,
                           do_constant_folding=True)
-    share_weights(path)
     import onnx
 
     model = onnx.load(str(path))
+    share_weights(model)
     fold_reshapes(model)
     onnx.save(model, str(path))
     return path
@@ -279,13 +279,10 @@ def fold_reshapes(model) -> int:
             g.node.remove(n)
 
 
-def share_weights(path: Path) -> None:
+def share_weights(model) -> None:
     """Point every use of a weight at its initializer, in place. The tracer reaches a weight
     used twice (each step of a fused draft graph) through an Identity node, and ONNX
     Runtime's quantizer only quantizes MatMuls whose weight is an initializer."""
-    import onnx
-
-    model = onnx.load(str(path))
     weights = {i.name for i in model.graph.initializer}
     alias = {n.output[0]: n.input[0] for n in model.graph.node
              if n.op_type == "Identity" and n.input[0] in weights}
@@ -297,7 +294,6 @@ def share_weights(path: Path) -> None:
         node.input[:] = [alias.get(name, name) for name in node.input]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    onnx.save(model, str(path))
 
 
 def export_step(model: Transformer, path: str | Path, num_layers: int | None = None) -> Path:
