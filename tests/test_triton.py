@@ -322,6 +322,26 @@ def test_http_generate_endpoint(server):
     assert reply["total_draft_tokens"] > 0
 
 
+def test_http_generate_stream_endpoint(server):
+    """Triton's HTTP generate_stream (server-sent events): several events whose texts
+    concatenate to the non-streaming text; the last one carries the request's stats."""
+    srv, _ = server
+    import json
+
+    body = json.dumps({"text_input": "def g(y):", "max_tokens": 12, "stream": True}).encode()
+    req = urllib.request.Request(
+        f"http://{srv.host}:{srv.http_port}/v2/models/ensemble/generate_stream", data=body,
+        method="POST")
+    raw = urllib.request.urlopen(req, timeout=60).read().decode()
+    events = [json.loads(line.removeprefix("data: ")) for line in raw.splitlines()
+              if line.startswith("data: ")]
+    assert len(events) > 2
+    assert "".join(e["text_output"] for e in events) == serve.complete(
+        srv.grpc_url, "def g(y):", 12).text
+    assert events[-1]["sequence_length"] == 12
+    assert events[-1]["total_draft_tokens"] > 0
+
+
 def test_custom_metrics_move(server):
     srv, _ = server
     before = metrics(srv)
