@@ -206,6 +206,8 @@ def fold_reshapes(model) -> int:
     from onnx import numpy_helper, shape_inference
 
     g = model.graph
+    if any(a.type in (a.GRAPH, a.GRAPHS) for n in g.node for a in n.attribute):
+        return 0  # names used inside subgraphs would look unused below
     inferred = shape_inference.infer_shapes(model).graph
     dims: dict[str, list[int | str | None]] = {}
     for vi in [*inferred.value_info, *inferred.input, *inferred.output]:
@@ -241,13 +243,15 @@ def fold_reshapes(model) -> int:
         if node is not None and node.op_type == "Slice" and len(node.input) == 3:
             tensor = shape_of(node.input[0])
             starts, ends = const(node.input[1]), const(node.input[2])
-            if tensor is not None and tensor in dims and starts and ends and starts[0] >= 0:
+            if (tensor is not None and tensor in dims and starts and ends
+                    and 0 <= starts[0] <= ends[0]):
                 return [(tensor, i) for i in range(starts[0], min(ends[0], len(dims[tensor])))]
         return None
 
     folded = 0
     for node in g.node:
-        if node.op_type != "Reshape":
+        if node.op_type != "Reshape" or any(a.name == "allowzero" and a.i for a in
+                                             node.attribute):  # there 0 means 0
             continue
         concat, data = producer.get(node.input[1]), dims.get(node.input[0])
         if concat is None or concat.op_type != "Concat" or data is None:

@@ -374,12 +374,13 @@ def test_fold_reshapes_folds_only_provable_targets():
         helper.make_node("Reshape", ["x", "flat"], ["c"]),  # [b, t*6]: folds to 0, -1
         helper.make_node("Concat", ["x_d1", "x_d0", "six"], ["other"], axis=0),
         helper.make_node("Reshape", ["y", "other"], ["b"]),  # y by x's dims: must stay
+        helper.make_node("Reshape", ["x", "own"], ["d"], allowzero=1),  # 0 would mean 0
     ]
     graph = helper.make_graph(
         nodes, "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 6]),
          helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6])],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abc"],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcd"],
         [const("i0", 0), const("i1", 1), const("axis0", [0]), const("two_three", [2, 3]),
          const("minus_one", [-1]), const("six", [6])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -390,14 +391,15 @@ def test_fold_reshapes_folds_only_provable_targets():
     assert targets[reshapes["a"]] == [0, 0, 2, 3]
     assert targets[reshapes["c"]] == [0, -1]
     assert reshapes["b"] == "other"  # still computed from x's shape
-    assert "own" not in {o for n in model.graph.node for o in n.output}  # plumbing dropped
+    assert reshapes["d"] == "own"
+    assert "flat" not in {o for n in model.graph.node for o in n.output}  # plumbing dropped
     runs = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
             for m in (before, model.SerializeToString())]
     for b, t in ((2, 3), (4, 5)):
         feed = {"x": np.random.rand(b, t, 6).astype(np.float32),
                 "y": np.random.rand(b * t, 6).astype(np.float32)}
         want, got = (s.run(None, feed) for s in runs)
-        assert [w.shape for w in want] == [(b, t, 2, 3), (t, b, 6), (b, t * 6)]
+        assert [w.shape for w in want] == [(b, t, 2, 3), (t, b, 6), (b, t * 6), (b, t, 2, 3)]
         for w, g in zip(want, got, strict=True):
             np.testing.assert_array_equal(w, g)
 
