@@ -44,6 +44,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=None,
                    help="engine dir from `paradraft build` (ONNX Runtime backend) instead of "
                         "--verifier/--draft")
+    p.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads of the drafting graphs (--engines; "
+                        "default 1: a draft call's nodes are too small to share)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (K)")
     p.add_argument("--adaptive-k", action="store_true", help="per-row K in [1, --k]")
     add_rule_args(p)
@@ -103,7 +106,8 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     if args.audit_epsilon is not None:
         raise ValueError("--audit-epsilon (the attention causal audit) is not supported with "
                          "--engines (ONNX Runtime); use --verifier/--draft (torch)")
-    verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers)
+    verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers,
+                                                   draft_threads=args.draft_threads)
     k = 0 if args.no_speculation else args.k
     check_engine_limits(manifest, max_batch_size, max_seq_len, k)
     if args.no_speculation:
@@ -254,7 +258,8 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
         build_engines(args.verifier, tmp, args.draft if "model" in names else None,
                       args.parallel_draft if "parallel" in names else None,
                       self_draft_layers=args.self_draft_layers, max_k=max_k)
-    verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers)
+    verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers,
+                                                   draft_threads=args.draft_threads)
     missing = [n for n in names if n not in drafters]
     if missing:
         raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
@@ -398,7 +403,7 @@ def serve_config(args: argparse.Namespace):
                        eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
                        draft_len_schedule=args.draft_len_schedule,
-                       stream_interval=args.stream_interval)
+                       stream_interval=args.stream_interval, draft_threads=args.draft_threads)
 
 
 def load_model_config_eos(model_dir: str) -> int | None:
@@ -553,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma list of torch, onnx: run our variants on each, side by side")
     b.add_argument("--engines", default=None,
                    help="engine dir for the onnx backend (default: build into a temp dir)")
+    b.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads of the drafting graphs (onnx backend; "
+                        "default 1: a draft call's nodes are too small to share)")
     bd = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
     bd.add_argument("--verifier", default=None,
                     help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
@@ -596,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--draft", default=None)
         s.add_argument("--drafter", choices=DRAFTERS, default="model")
         s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
+        s.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                       help="ONNX Runtime intra-op threads of the drafting graphs")
         s.add_argument("--k", type=int, default=4)
         s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
         s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")

@@ -59,10 +59,12 @@ class ServeConfig:
     # gathered (SGLang's --stream-interval): each response is an IPC hop through the
     # ensemble, which a busy CPU pays for in throughput
     stream_interval: int = 1
+    draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
-                          ("max_input_tokens", 1), ("stream_interval", 1)]:
+                          ("max_input_tokens", 1), ("stream_interval", 1),
+                          ("draft_threads", 1)]:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
@@ -96,7 +98,8 @@ def build_scheduler(config: ServeConfig):
     if config.engines:
         from .engines import load_engines
 
-        verifier, drafters, _, manifest = load_engines(config.engines)
+        verifier, drafters, _, manifest = load_engines(config.engines,
+                                                       draft_threads=config.draft_threads)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             from .trt_backend import check_limits
 

@@ -299,6 +299,11 @@ def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
     # limits from the manifest are enforced with a clear message
     r = run_cli(*common, "--engines", str(out), "--k", "4")
     assert r.returncode == 2 and "k must be <= 3 (the engines' max_k); got 4" in r.stderr
+    # two draft threads: the same tokens; zero: refused by name
+    r = run_cli(*common, "--engines", str(out), "--draft-threads", "2")
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == got["token_ids"]
+    r = run_cli(*common, "--engines", str(out), "--draft-threads", "0")
+    assert r.returncode == 2 and "draft_threads must be an integer >= 1" in r.stderr
 
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"

@@ -101,7 +101,8 @@ def test_serve_config_validates_its_limits():
                          "speculative_disable_by_batch_size must be an integer >= 1"),
                         (dict(draft_len_schedule={"4": 2}), "holds batch size 1"),
                         (dict(draft_len_schedule={"one": 2}), "keys must be batch sizes"),
-                        (dict(k=2, draft_len_schedule={1: 3}), r"K in \[0, 2\]")]:
+                        (dict(k=2, draft_len_schedule={1: 3}), r"K in \[0, 2\]"),
+                        (dict(draft_threads=0), r"draft_threads must be an integer >= 1")]:
         with pytest.raises(ValueError, match=message):
             ServeConfig("verifier", "draft", **kw)
     # the model repository carries the config as JSON, whose keys are strings
