@@ -215,7 +215,8 @@ def fold_reshapes(model) -> int:
             dims[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                              for d in vi.type.tensor_type.shape.dim]
     producer = {out: n for n in g.node for out in n.output}
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    inputs = {i.name for i in g.input}  # an initializer listed as an input can be fed
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer if i.name not in inputs}
     for n in g.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
             consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
@@ -250,8 +251,8 @@ def fold_reshapes(model) -> int:
 
     folded = 0
     for node in g.node:
-        if node.op_type != "Reshape" or any(a.name == "allowzero" and a.i for a in
-                                             node.attribute):  # there 0 means 0
+        if node.op_type != "Reshape" or len(node.input) < 2 or any(
+                a.name == "allowzero" and a.i for a in node.attribute):  # there 0 means 0
             continue
         concat, data = producer.get(node.input[1]), dims.get(node.input[0])
         if concat is None or concat.op_type != "Concat" or data is None:
@@ -427,13 +428,14 @@ def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
     c = model.config
     ort_model = OrtModel(c, {num_layers: path} if num_layers else {None: path})
     g = torch.Generator().manual_seed(0)
-    # every dim distinct (batch 2, prompt 5, step 3, slots 4, cache 16) so a dim the export
-    # wrongly froze or mixed up shows; rows are a slot subset out of order
-    tokens = torch.randint(0, c.vocab_size, (2, 5), generator=g)
+    # every dim distinct, and unlike the export's dummy inputs (batch 3, prompt 5, step 3
+    # for slots 4, cache 16), so a dim the export wrongly froze or mixed up shows; rows are
+    # a slot subset out of order
+    tokens = torch.randint(0, c.vocab_size, (3, 5), generator=g)
     caches = [new_kv_cache(c, 4, 16, torch.float32) for _ in range(2)]
-    rows = torch.tensor([3, 1])
-    pos = torch.arange(5).expand(2, -1)
-    step_pos = torch.tensor([[5, 6, 7], [3, 4, 5]])  # row 1 rolled back: overwrites 3, 4
+    rows = torch.tensor([3, 1, 0])
+    pos = torch.arange(5).expand(3, -1)
+    step_pos = torch.tensor([[5, 6, 7], [3, 4, 5], [4, 5, 6]])  # rows 1, 2 rolled back
     step_tokens = tokens[:, :3]
     outs = []
     for m, cache in zip((model, ort_model), caches, strict=True):
@@ -463,14 +465,15 @@ def check_draft_steps(model: Transformer, path: Path, k: int, num_layers: int | 
     c = model.config
     ort_model = OrtModel(c, {}, draft_steps={(num_layers, k): path})
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, c.vocab_size, (2, 5), generator=g)
+    # batch 3: unlike the export's dummy batch 2, so a frozen batch dim shows
+    tokens = torch.randint(0, c.vocab_size, (3, 5), generator=g)
     caches = [new_kv_cache(c, 4, 32, torch.float32) for _ in range(2)]
-    rows = torch.tensor([3, 1])
-    window, window_pos = tokens[:, 1:3], torch.tensor([[5, 6], [3, 4]])
+    rows = torch.tensor([3, 1, 0])
+    window, window_pos = tokens[:, 1:3], torch.tensor([[5, 6], [3, 4], [4, 5]])
     kv_len = 7 + k
     with torch.no_grad():
         for cache in caches:
-            model(tokens, torch.arange(5).expand(2, -1), cache, kv_len=5, rows=rows,
+            model(tokens, torch.arange(5).expand(3, -1), cache, kv_len=5, rows=rows,
                   num_layers=num_layers)
         drafts = ort_model.greedy_drafts(window, window_pos, caches[1], k, kv_len=kv_len,
                                          rows=rows, num_layers=num_layers)

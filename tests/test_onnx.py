@@ -188,16 +188,19 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines):
         dec = SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=3,
                                  max_batch_size=1)
         dec.generate([[4, 8, 15]], 6)
+        # K=1 drafts through the first-N-layers graph itself (no fused graph for one step)
+        SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=1,
+                           max_batch_size=1).generate([[4, 8, 15]], 4)
         for kind in ("model", "parallel"):
             SpeculativeDecoder(verifier, drafters[kind], RuleParams("greedy"), k=3,
                                max_batch_size=1).generate([[4, 8, 15]], 6)
         assert intra_op(verifier._graphs[None]) == 2
-        drafting = [*verifier._draft_steps.values(),
+        drafting = [verifier._graphs[1], *verifier._draft_steps.values(),
                     *drafters["model"].model._graphs.values(),
                     *drafters["model"].model._draft_steps.values(),
                     *drafters["parallel"].model._graphs.values()]
-        assert len(drafting) == 4
-        assert [intra_op(g) for g in drafting] == [want] * 4
+        assert len(drafting) == 5
+        assert [intra_op(g) for g in drafting] == [want] * 5
     with pytest.raises(ValueError, match="draft_threads must be an integer >= 1"):
         load_engines(pair_engines, draft_threads=0)
 
@@ -380,31 +383,47 @@ def test_fold_reshapes_folds_only_provable_targets():
         helper.make_node("Concat", ["x_d1", "x_d0", "six"], ["other"], axis=0),
         helper.make_node("Reshape", ["y", "other"], ["b"]),  # y by x's dims: must stay
         helper.make_node("Reshape", ["x", "own"], ["d"], allowzero=1),  # 0 would mean 0
+        # x's own dims, swapped: not a copy of the same place, must stay computed
+        helper.make_node("Concat", ["x_d1", "x_d0", "six"], ["swapped"], axis=0),
+        helper.make_node("Reshape", ["x", "swapped"], ["e"]),
+        # z [t, b, 6] to x's [b, t, 6]: same places, another tensor's dims: must stay
+        helper.make_node("Concat", ["x_d0", "x_d1", "six"], ["x_dims"], axis=0),
+        helper.make_node("Reshape", ["z", "x_dims"], ["f"]),
+        # a slice of x's shape, as the exporter's flatten / unflatten write it: folds
+        helper.make_node("Slice", ["x_shape", "zero", "two"], ["head"]),
+        helper.make_node("Concat", ["head", "two_three"], ["sliced"], axis=0),
+        helper.make_node("Reshape", ["x", "sliced"], ["h"]),
     ]
     graph = helper.make_graph(
         nodes, "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 6]),
-         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6])],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcd"],
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, ["t2", "b2", 6])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abcdefh"],
         [const("i0", 0), const("i1", 1), const("axis0", [0]), const("two_three", [2, 3]),
-         const("minus_one", [-1]), const("six", [6])])
+         const("minus_one", [-1]), const("six", [6]), const("zero", [0]),
+         const("two", [2])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     before = model.SerializeToString()
-    assert fold_reshapes(model) == 2
+    assert fold_reshapes(model) == 3
     targets = {i.name: numpy_helper.to_array(i).tolist() for i in model.graph.initializer}
     reshapes = {n.output[0]: n.input[1] for n in model.graph.node if n.op_type == "Reshape"}
     assert targets[reshapes["a"]] == [0, 0, 2, 3]
     assert targets[reshapes["c"]] == [0, -1]
     assert reshapes["b"] == "other"  # still computed from x's shape
     assert reshapes["d"] == "own"
+    assert (reshapes["e"], reshapes["f"]) == ("swapped", "x_dims")
+    assert targets[reshapes["h"]] == [0, 0, 2, 3]
     assert "flat" not in {o for n in model.graph.node for o in n.output}  # plumbing dropped
     runs = [ort.InferenceSession(m, providers=["CPUExecutionProvider"])
             for m in (before, model.SerializeToString())]
     for b, t in ((2, 3), (4, 5)):
         feed = {"x": np.random.rand(b, t, 6).astype(np.float32),
-                "y": np.random.rand(b * t, 6).astype(np.float32)}
+                "y": np.random.rand(b * t, 6).astype(np.float32),
+                "z": np.random.rand(t, b, 6).astype(np.float32)}
         want, got = (s.run(None, feed) for s in runs)
-        assert [w.shape for w in want] == [(b, t, 2, 3), (t, b, 6), (b, t * 6), (b, t, 2, 3)]
+        assert [w.shape for w in want] == [(b, t, 2, 3), (t, b, 6), (b, t * 6), (b, t, 2, 3),
+                                           (t, b, 6), (b, t, 6), (b, t, 2, 3)]
         for w, g in zip(want, got, strict=True):
             np.testing.assert_array_equal(w, g)
 

@@ -285,7 +285,7 @@ def test_serve_refuses_limits_beyond_a_tensorrt_engine(monkeypatch):
 
     manifest = {"backend": "tensorrt",
                 "limits": {"max_batch_size": 8, "max_k": 4, "max_seq_len": 512}}
-    monkeypatch.setattr(engines, "load_engines", lambda d: (None, {"model": None}, None,
+    monkeypatch.setattr(engines, "load_engines", lambda d, **kw: (None, {"model": None}, None,
                                                             manifest))
     config = serve.ServeConfig(verifier="unused", draft=None, engines="trt", max_slots=16)
     with pytest.raises(ValueError, match=r"KV-cache slots.*--max-batch-size 16"):
