@@ -33,6 +33,12 @@ def rule_params(args: argparse.Namespace) -> RuleParams:
     )
 
 
+def add_draft_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads of the drafting graphs (engine dirs; "
+                        "default 1: a draft call's nodes are too small to share)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"), help="HF-format dir")
     p.add_argument("--draft", default=None,
@@ -44,9 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=None,
                    help="engine dir from `paradraft build` (ONNX Runtime backend) instead of "
                         "--verifier/--draft")
-    p.add_argument("--draft-threads", type=int, default=1, metavar="N",
-                   help="ONNX Runtime intra-op threads of the drafting graphs (--engines; "
-                        "default 1: a draft call's nodes are too small to share)")
+    add_draft_threads_arg(p)
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (K)")
     p.add_argument("--adaptive-k", action="store_true", help="per-row K in [1, --k]")
     add_rule_args(p)
@@ -558,9 +562,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma list of torch, onnx: run our variants on each, side by side")
     b.add_argument("--engines", default=None,
                    help="engine dir for the onnx backend (default: build into a temp dir)")
-    b.add_argument("--draft-threads", type=int, default=1, metavar="N",
-                   help="ONNX Runtime intra-op threads of the drafting graphs (onnx backend; "
-                        "default 1: a draft call's nodes are too small to share)")
+    add_draft_threads_arg(b)
     bd = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
     bd.add_argument("--verifier", default=None,
                     help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
@@ -604,8 +606,7 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--draft", default=None)
         s.add_argument("--drafter", choices=DRAFTERS, default="model")
         s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
-        s.add_argument("--draft-threads", type=int, default=1, metavar="N",
-                       help="ONNX Runtime intra-op threads of the drafting graphs")
+        add_draft_threads_arg(s)
         s.add_argument("--k", type=int, default=4)
         s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
         s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
