@@ -61,7 +61,7 @@ def new_kv_names(num_layers: int) -> list[str]:
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig) -> Tensor:
     """Masked attention, GQA by grouping the query heads per KV head (no K/V repeat).
 
-    q [B, T, H, D]; keys / values [B, L, Hkv, D]; mask [B, G*T, L], the [B, T, L] mask tiled
+    q [B, T, H, D]; keys / values [B, Hkv, L, D]; mask [B, G*T, L], the [B, T, L] mask tiled
     G times (``group_mask``) → y [B, H, T, D]. Head counts come from the config and every
     reshape takes its batch and length dims from its own input (or infers one), so the
     export folds the targets to constants (``fold_reshapes``)."""
@@ -69,9 +69,10 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig
     G = c.n_heads // Hkv  # query head h uses KV head h // G, as repeat_interleave / enable_gqa
     q = q.reshape(*q.shape[:2], Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q = q.reshape(*q.shape[:2], -1, D)  # [B, Hkv, G*T, D]
-    scores = (q @ keys.permute(0, 2, 3, 1)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*T, L]
+    # K transposed inside the product: ONNX Runtime fuses it into the MatMul (transB)
+    scores = (q @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*T, L]
     weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
-    y = weights @ values.permute(0, 2, 1, 3)  # [B, Hkv, G*T, D]
+    y = weights @ values  # [B, Hkv, G*T, D]
     return y.reshape(y.shape[0], c.n_heads, -1, D)  # [B, H, T, D]
 
 
@@ -85,11 +86,12 @@ class OnnxStep(nn.Module):
 
     Exactly the torch semantics (write this step's K/V at (row, position), then a query at p
     attends to cache positions <= p), formulated without mutating an input: gather each
-    row's window [0, kv_len) of the past cache, scatter this step's K/V into that window
-    (ScatterND; duplicate positions carry identical K/V, as in torch), attend over it, and
-    return the new K/V so the caller writes them into its cache. Only the window is copied
-    (what torch's ``k_cache[rows, :kv_len]`` gathers too), never the whole cache. Requires
-    max(input_pos) < kv_len, which the runtime checks.
+    row's window [0, kv_len) of the past cache, in the [B, Hkv, kv_len, D] layout attention
+    reads (transposed once per graph, not once per draft step), scatter this step's K/V into
+    that window (ScatterElements; duplicate positions carry identical K/V, as in torch),
+    attend over it, and return the new K/V so the caller writes them into its cache. Only
+    the window is copied (what torch's ``k_cache[rows, :kv_len]`` gathers too), never the
+    whole cache. Requires max(input_pos) < kv_len, which the runtime checks.
     """
 
     def __init__(self, model: Transformer, num_layers: int | None = None):
@@ -107,10 +109,10 @@ class OnnxStep(nn.Module):
 
     @staticmethod
     def _windows(rows: Tensor, kv_len: Tensor, past: tuple[Tensor, ...]) -> list[Tensor]:
-        """Each row's window [0, kv_len) of every past K / V: [B, kv_len, Hkv, D]."""
+        """Each row's window [0, kv_len) of every past K / V: [B, Hkv, kv_len, D]."""
         L, Hkv, D = past[0].shape[1:]
         window = rows[:, None] * L + torch.arange(kv_len)[None, :]  # flat (slot, pos) index
-        return [p.reshape(-1, Hkv, D)[window] for p in past]
+        return [p.reshape(-1, Hkv, D)[window].transpose(1, 2) for p in past]
 
     def _layers(self, tokens: Tensor, input_pos: Tensor, kv_len: Tensor,
                 windows: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -120,12 +122,15 @@ class OnnxStep(nn.Module):
         x, rope = m.embed_at(tokens, input_pos)
         mask = torch.arange(kv_len)[None, None, :] <= input_pos[:, :, None]  # [B, T, kv_len]
         mask = group_mask(mask, m.config)
-        batch = torch.arange(tokens.shape[0])[:, None].expand_as(input_pos)
+        c = m.config
+        # where this step's K/V go in a [B, Hkv, kv_len, D] window: one scatter index for
+        # every layer (an index_put would re-derive its reshapes per layer)
+        index = input_pos[:, None, :, None].expand(-1, c.n_kv_heads, -1, c.head_dim)
         new_kv: list[Tensor] = []
         for i, layer in enumerate(self.layers):
             q, k, v = layer.project(x, rope)
             for j, new in ((2 * i, k), (2 * i + 1, v)):
-                windows[j] = windows[j].index_put((batch, input_pos), new)
+                windows[j] = windows[j].scatter(2, index, new.transpose(1, 2))
             x = layer.finish(x, attend(q, windows[2 * i], windows[2 * i + 1], mask, m.config))
             new_kv += [k, v]
         return x, new_kv

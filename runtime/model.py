@@ -157,10 +157,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: Tensor, half: int) -> Tensor:
-    # ``half`` (head_dim // 2) from the config, not x.shape: the ONNX trace keeps it constant
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor, half: int) -> Tensor:
+    """Rotary embedding: x·cos + rotate_half(x)·sin, with rotate_half's minus sign folded
+    into ``signed_sin`` = [-sin, sin] (exactly the same floats, one node fewer in the ONNX
+    graph). ``half`` (head_dim // 2) from the config, not x.shape: the trace keeps it
+    constant."""
     x1, x2 = x.split([half, half], dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * signed_sin
 
 
 class Block(nn.Module):
@@ -234,18 +237,16 @@ class Block(nn.Module):
                 ) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, T, n_heads, head_dim], k and v [B, T, n_kv_heads, head_dim] (rotary applied)."""
         c = self.c
-        q, k, v = self.qkv(self.attn_norm(x)).split(
-            [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1
+        qk, v = self.qkv(self.attn_norm(x)).split(
+            [(c.n_heads + c.n_kv_heads) * c.head_dim, c.n_kv_heads * c.head_dim], -1
         )
         # each view takes B, T from its own input: the ONNX export then folds the target
         # shape to a constant (paradraft.build.onnx.fold_reshapes)
-        q = q.view(*q.shape[:2], c.n_heads, c.head_dim)
-        k = k.view(*k.shape[:2], c.n_kv_heads, c.head_dim)
+        qk = qk.view(*qk.shape[:2], c.n_heads + c.n_kv_heads, c.head_dim)
         v = v.view(*v.shape[:2], c.n_kv_heads, c.head_dim)
-        if rope is not None:
-            cos, sin = rope
-            q = q * cos + rotate_half(q, c.head_dim // 2) * sin
-            k = k * cos + rotate_half(k, c.head_dim // 2) * sin
+        if rope is not None:  # q and k heads rotated together: one set of rotary nodes
+            qk = apply_rope(qk, *rope, c.head_dim // 2)
+        q, k = qk.split([c.n_heads, c.n_kv_heads], dim=2)
         return q, k, v
 
     def finish(self, x: Tensor, y: Tensor) -> Tensor:
@@ -297,8 +298,10 @@ class Transformer(nn.Module):
         exponents = torch.arange(0, c.head_dim, 2, device=input_pos.device).float() / c.head_dim
         inv_freq = 1.0 / (c.rope_theta**exponents)
         freqs = input_pos[..., None].float() * inv_freq  # [B, T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [B, T, 1, head_dim]: broadcast over heads; the sine signed for apply_rope
+        return (torch.cat((cos, cos), dim=-1)[:, :, None, :].to(dtype),
+                torch.cat((-sin, sin), dim=-1)[:, :, None, :].to(dtype))
 
     def forward(
         self,
