@@ -193,19 +193,23 @@ def correct(
     check_randoms(params, randoms)
     K = draft_tokens.shape[1]
     positions = torch.arange(K, device=draft_tokens.device)
-    accept = acceptance_mask(
-        target_logits[:, :K], draft_tokens, draft_probs, params,
-        None if randoms is None else randoms.accept_uniforms,
-    )
+    if params.rule == "greedy":  # one argmax over every position serves both questions
+        target_tokens = target_logits.argmax(-1)  # [B, K+1]
+        accept = target_tokens[:, :K] == draft_tokens
+    else:
+        accept = acceptance_mask(
+            target_logits[:, :K], draft_tokens, draft_probs, params,
+            None if randoms is None else randoms.accept_uniforms,
+        )
     if num_drafted is not None:
         accept &= positions < num_drafted[:, None]
     num_accepted = accept.long().cumprod(-1).sum(-1)
+    if params.rule == "greedy":
+        return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]
 
     stop_logits = target_logits.gather(
         1, num_accepted[:, None, None].expand(-1, 1, target_logits.shape[-1])
     )[:, 0]
-    if params.rule == "greedy":
-        return num_accepted, stop_logits.argmax(-1)
     probs = sampling_probs(stop_logits, params.temperature, params.top_p)
     if params.rule == "exact" and K > 0:
         # rejected rows draw from norm(max(p - q, 0)); rows past their drafts take the bonus
