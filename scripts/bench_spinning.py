@@ -1,0 +1,112 @@
+"""Benchmark: ONNX Runtime workers that spin within a run (the runtime's sessions) against
+workers that block after every node, side by side in one run.
+
+The same engine dir is loaded twice; the second copy's sessions get
+``session.intra_op.allow_spinning`` = 0 (what the runtime used before). Each copy decodes
+the same held-out prompts, greedy, in turn within every repeat: the plain baseline and the
+draft model at each K and batch size. Reports tokens/s and the spinning copy's speed over
+the blocking one (median of per-repeat ratios), and whether the outputs are equal. JSON.
+
+    .venv/bin/python scripts/bench_spinning.py --engines engines/demo --out results/spinning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from paradraft.runtime import onnx_backend
+from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
+from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.engines import load_engines
+from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
+
+VARIANTS = ("spinning", "blocking")
+
+
+@contextmanager
+def blocking_workers():
+    """Sessions created inside block their workers after every node."""
+    runtime_options = onnx_backend.session_options
+
+    def options(*args, **kwargs):
+        so = runtime_options(*args, **kwargs)
+        so.log_severity_level = 3  # not the warning that an entry is overwritten
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return so
+
+    onnx_backend.session_options = options
+    try:
+        yield
+    finally:
+        onnx_backend.session_options = runtime_options
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="engines/demo")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="4")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="out/spinning")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
+    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
+    prompts = [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
+                                              args.prompts, args.prompt_tokens, 0)]
+    cases = [(bs, k) for bs in map(int, args.batch_sizes.split(","))
+             for k in [0, *map(int, args.ks.split(","))]]
+    loaded = {}
+    for variant in VARIANTS:
+        verifier, drafters = load_engines(args.engines)[:2]
+        loaded[variant] = verifier, drafters["model"]
+    rows = {(variant, case): BenchRow("ours", "baseline" if case[1] == 0 else "model",
+                                      "greedy", case[1], case[0], False, backend="onnx")
+            for case in cases for variant in VARIANTS}
+    outputs: dict[tuple, list[list[int]]] = {}
+    for repeat in range(args.repeats):
+        for (variant, (bs, k)), row in rows.items():
+            verifier, draft = loaded[variant]
+            tokens: list[list[int]] = []
+            # sessions are created on first use: the blocking copy's inside the patch
+            with blocking_workers() if variant == "blocking" else nullcontext():
+                run_ours(verifier, draft if k else None, RuleParams("greedy"), k, prompts,
+                         args.max_new_tokens, bs, 0, row, tokens)
+            row.repeat_tokens_per_second.append(row.tokens / row.seconds)
+            outputs[(variant, bs, k)] = tokens
+            print(f"repeat {repeat}: {variant} B{bs} K={k} "
+                  f"{row.repeat_tokens_per_second[-1]:7.1f} tok/s", flush=True)
+    report = {"engines": args.engines, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "torch_threads": torch.get_num_threads(), "rows": []}
+    print(f"{'workers':9s} {'B':>2} {'K':>2} {'tok/s':>7} {'vs K=0':>7} {'vs blocking':>11} same")
+    for (variant, case), row in rows.items():
+        bs, k = case
+        entry = {"workers": variant, "batch_size": bs, "k": k,
+                 "tokens_per_second": row.tokens_per_second,
+                 "repeat_tokens_per_second": row.repeat_tokens_per_second,
+                 "speedup_vs_baseline": median_ratio(row, rows[(variant, (bs, 0))]),
+                 "speed_vs_blocking": median_ratio(row, rows[("blocking", case)]),
+                 "acceptance_rate": row.acceptance_rate,
+                 "same_output": outputs[(variant, bs, k)] == outputs[("blocking", bs, k)]}
+        report["rows"].append(entry)
+        print(f"{variant:9s} {bs:2d} {k:2d} {row.tokens_per_second:7.1f} "
+              f"{entry['speedup_vs_baseline']:7.2f} {entry['speed_vs_blocking']:11.2f} "
+              f"{entry['same_output']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spinning.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'spinning.json'}")
+
+
+if __name__ == "__main__":
+    main()
