@@ -39,6 +39,12 @@ def add_draft_threads_arg(p: argparse.ArgumentParser) -> None:
                         "default 1: a draft call's nodes are too small to share)")
 
 
+def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--acceptance-floor", type=float, default=0.6, metavar="RATE",
+                   help="warn when the running acceptance rate falls below RATE, in [0, 1] "
+                        "(0: never; the seed's monitoring hook)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"), help="HF-format dir")
     p.add_argument("--draft", default=None,
@@ -56,6 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_rule_args(p)
     p.add_argument("--audit-epsilon", type=float, default=None,
                    help="enable the attention causal audit with this ε")
+    add_acceptance_floor_arg(p)
     p.add_argument("--no-speculation", action="store_true",
                    help="plain autoregressive decoding of the verifier (the baseline)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -81,7 +88,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         return SpeculativeDecoder(
             verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
             audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
+            max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
         ), verifier
     dtype = getattr(torch, args.dtype)
     verifier = load_model(args.verifier, dtype=dtype)
@@ -95,7 +102,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     decoder = SpeculativeDecoder(
         verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
         audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
     )
     return decoder, verifier
 
@@ -407,7 +414,8 @@ def serve_config(args: argparse.Namespace):
                        eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
                        draft_len_schedule=args.draft_len_schedule,
-                       stream_interval=args.stream_interval, draft_threads=args.draft_threads)
+                       stream_interval=args.stream_interval, draft_threads=args.draft_threads,
+                       acceptance_floor=args.acceptance_floor)
 
 
 def load_model_config_eos(model_dir: str) -> int | None:
@@ -607,6 +615,7 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--drafter", choices=DRAFTERS, default="model")
         s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
         add_draft_threads_arg(s)
+        add_acceptance_floor_arg(s)
         s.add_argument("--k", type=int, default=4)
         s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
         s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")

@@ -60,6 +60,7 @@ class ServeConfig:
     # ensemble, which a busy CPU pays for in throughput
     stream_interval: int = 1
     draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
+    acceptance_floor: float = 0.6  # warn when the running acceptance rate falls below
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
@@ -68,6 +69,10 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        if (not isinstance(self.acceptance_floor, (int, float))
+                or isinstance(self.acceptance_floor, bool)
+                or not 0.0 <= self.acceptance_floor <= 1.0):
+            raise ValueError(f"acceptance_floor must be in [0, 1]; got {self.acceptance_floor!r}")
         if self.disable_by_batch_size is not None and (
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "
@@ -115,7 +120,7 @@ def build_scheduler(config: ServeConfig):
         verifier, drafter, default_params(config), k=config.k,
         max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
         disable_by_batch_size=config.disable_by_batch_size,
-        draft_len_schedule=config.draft_len_schedule,
+        draft_len_schedule=config.draft_len_schedule, acceptance_floor=config.acceptance_floor,
     )
     if config.draft_len_schedule == "auto":
         decoder.calibrate()  # before the scheduler owns the slots

@@ -43,11 +43,13 @@ class AcceptanceMonitor:
     """The seed's §6.1 alert: warn when the running acceptance rate falls below ``floor``.
 
     The rate is taken over roughly the last ``window`` drafted tokens (exponential decay);
-    it warns once per crossing and again only after it has recovered."""
+    it warns once per crossing and again only after it has recovered to ``floor +
+    hysteresis``: a rate that hovers at the floor would otherwise warn every few rounds."""
 
     floor: float = 0.6
     window: int = 512
     min_drafted: int = 64
+    hysteresis: float = 0.05
     drafted: float = 0.0
     accepted: float = 0.0
     reached: float = 0.0  # draft positions reached: accepted + rejections
@@ -84,9 +86,9 @@ class AcceptanceMonitor:
         if self.drafted >= self.min_drafted and rate < self.floor and not self.alerting:
             self.alerting = True
             self.alerts += 1
-            log.warning("running acceptance rate %.2f fell below the floor %.2f", rate,
+            log.warning("running acceptance rate %.3f fell below the floor %.3f", rate,
                         self.floor)
-        elif rate >= self.floor:
+        elif rate >= self.floor + self.hysteresis:
             self.alerting = False
 
 

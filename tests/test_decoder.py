@@ -12,6 +12,7 @@ import paradraft.runtime.model as model_module
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.model import load_model
 from paradraft.runtime.speculative import (
+    AcceptanceMonitor,
     Drafter,
     SpeculativeDecoder,
     goodput_k,
@@ -178,6 +179,19 @@ def test_cli_bad_parameter_is_a_clear_error(pair):
     assert "top_p must be in (0, 1]" in r.stderr
 
 
+def test_cli_acceptance_floor_warns_and_is_validated(pair):
+    """``--acceptance-floor``: the monitoring hook's floor from the command line."""
+    common = ["generate", "--verifier", pair[0], "--draft", pair[1], "--prompt-ids", "4,8,15",
+              "--max-new-tokens", "100", "--k", "4", "--ignore-eos"]
+    r = run_cli(*common, "--acceptance-floor", "0.99")
+    assert r.returncode == 0, r.stderr
+    assert "fell below the floor 0.990" in r.stderr
+    r = run_cli(*common, "--acceptance-floor", "0")
+    assert r.returncode == 0 and "fell below" not in r.stderr
+    r = run_cli(*common, "--acceptance-floor", "1.5")
+    assert r.returncode == 2 and "acceptance_floor must be in [0, 1]; got 1.5" in r.stderr
+
+
 def test_acceptance_alert_fires_below_the_floor(verifier, pair, caplog):
     bad = load_model(pair[2])  # parallel draft used autoregressively: rarely agrees past 1
     dec = SpeculativeDecoder(verifier, Drafter("parallel", bad), RuleParams("greedy"), k=8,
@@ -186,11 +200,26 @@ def test_acceptance_alert_fires_below_the_floor(verifier, pair, caplog):
         result = dec.generate(PROMPTS, 40)
     assert result.stats.acceptance_rate < 0.95
     assert dec.monitor.alerts >= 1
-    assert "fell below the floor 0.95" in caplog.text
+    assert "fell below the floor 0.950" in caplog.text
     quiet = SpeculativeDecoder(verifier, Drafter("parallel", bad), RuleParams("greedy"), k=8,
                                max_batch_size=3, acceptance_floor=0.0)
     quiet.generate(PROMPTS, 40)
     assert quiet.monitor.alerts == 0
+
+
+def test_acceptance_alert_rearms_only_after_recovering_past_the_hysteresis():
+    """A rate hovering at the floor warns once, not on every crossing; a real recovery
+    (floor + hysteresis) re-arms the alert."""
+    monitor = AcceptanceMonitor(floor=0.6, window=100, min_drafted=10, hysteresis=0.05)
+    for accepted in [5, 7, 5, 7, 5, 7, 5, 7]:  # 10 drafted a round: the rate around 0.6
+        monitor.update(drafted=10, accepted=accepted)
+    assert monitor.alerts == 1
+    for _ in range(40):  # well above 0.65: recovered
+        monitor.update(drafted=10, accepted=9)
+    assert not monitor.alerting
+    for _ in range(40):
+        monitor.update(drafted=10, accepted=2)
+    assert monitor.alerts == 2
 
 
 def test_draft_len_schedule_picks_k_by_batch_size(verifier, draft):
