@@ -185,8 +185,10 @@ class OrtModel:
         self.device = torch.device("cpu")
         self.graph_paths = dict(graphs)
         self.correction_path = correction
-        self.threads = threads
-        self.draft_threads = threads if draft_threads is None else draft_threads
+        # resolved now, not when a session is first made: the decoder runs its own torch
+        # ops on one thread (speculative.glue_threads), inside which sessions get created
+        self.threads = threads or torch.get_num_threads()
+        self.draft_threads = self.threads if draft_threads is None else draft_threads
         self.draft_step_paths = dict(draft_steps or {})
         self._graphs: dict[int | None, Graph] = {}
         self._corrections: dict[RuleParams, Graph] = {}

@@ -175,37 +175,56 @@ def test_fused_draft_graphs_draft_what_single_steps_draft(pair, engines, kind):
     assert got.token_ids == truth
 
 
-def test_drafting_graphs_run_on_their_own_thread_count(pair_engines):
+def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch):
     """The verifier's graph gets ``threads``, every drafting graph (draft model, parallel
     draft, self-draft layers, fused steps) ``draft_threads``: one by default, ``threads``
-    with None. A bad count is refused by name. Workers spin only within a run."""
+    with None. A bad count is refused by name. Workers spin only within a run. The decoder
+    runs its own torch ops on one thread; the sessions keep their counts."""
+    from paradraft.runtime.onnx_backend import Graph
+
     def intra_op(graph) -> int:
         return graph.session.get_session_options().intra_op_num_threads
 
-    for draft_threads, want in ((1, 1), (None, 2)):
-        verifier, drafters, _, _ = load_engines(pair_engines, threads=2,
-                                                draft_threads=draft_threads)
-        dec = SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=3,
-                                 max_batch_size=1)
-        dec.generate([[4, 8, 15]], 6)
-        # K=1 drafts through the first-N-layers graph itself (no fused graph for one step)
-        SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=1,
-                           max_batch_size=1).generate([[4, 8, 15]], 4)
-        for kind in ("model", "parallel"):
-            SpeculativeDecoder(verifier, drafters[kind], RuleParams("greedy"), k=3,
-                               max_batch_size=1).generate([[4, 8, 15]], 6)
-        options = verifier._graphs[None].session.get_session_options()
-        assert options.intra_op_num_threads == 2
-        # workers spin between a run's nodes and stop when it ends (a worker left spinning
-        # takes a core from the decoder between calls)
-        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
-        drafting = [verifier._graphs[1], *verifier._draft_steps.values(),
-                    *drafters["model"].model._graphs.values(),
-                    *drafters["model"].model._draft_steps.values(),
-                    *drafters["parallel"].model._graphs.values()]
-        assert len(drafting) == 5
-        assert [intra_op(g) for g in drafting] == [want] * 5
+    seen = []  # torch's thread count whenever a graph runs inside the decoder
+    run = Graph.run
+    monkeypatch.setattr(Graph, "run", lambda self, inputs, outputs: (
+        seen.append(torch.get_num_threads()), run(self, inputs, outputs)))
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that one glue thread is a change (CI may have one core)
+    try:
+        for draft_threads, want in ((1, 1), (None, 2)):
+            verifier, drafters, _, _ = load_engines(pair_engines, threads=2,
+                                                    draft_threads=draft_threads)
+            dec = SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=3,
+                                     max_batch_size=1)
+            dec.generate([[4, 8, 15]], 6)
+            # K=1 drafts through the first-N-layers graph itself (no fused graph for one step)
+            SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=1,
+                               max_batch_size=1).generate([[4, 8, 15]], 4)
+            for kind in ("model", "parallel"):
+                SpeculativeDecoder(verifier, drafters[kind], RuleParams("greedy"), k=3,
+                                   max_batch_size=1).generate([[4, 8, 15]], 6)
+            assert seen and set(seen) == {1}  # the decoder's torch ops on one thread...
+            assert torch.get_num_threads() == 2  # ...only inside the decoder
+            options = verifier._graphs[None].session.get_session_options()
+            assert options.intra_op_num_threads == 2  # made inside it, still 2 threads
+            # workers spin between a run's nodes and stop when it ends (a worker left
+            # spinning takes a core from the decoder between calls)
+            assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+            assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+            drafting = [verifier._graphs[1], *verifier._draft_steps.values(),
+                        *drafters["model"].model._graphs.values(),
+                        *drafters["model"].model._draft_steps.values(),
+                        *drafters["parallel"].model._graphs.values()]
+            assert len(drafting) == 5
+            assert [intra_op(g) for g in drafting] == [want] * 5
+        # the default (torch's count) is taken at load time, not inside the decoder
+        verifier, drafters, _, _ = load_engines(pair_engines)
+        SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
+                           max_batch_size=1).generate([[4, 8, 15]], 6)
+        assert intra_op(verifier._graphs[None]) == 2
+    finally:
+        torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="draft_threads must be an integer >= 1"):
         load_engines(pair_engines, draft_threads=0)
 

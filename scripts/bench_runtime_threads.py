@@ -1,13 +1,17 @@
-"""Benchmark: ONNX Runtime workers that spin within a run (the runtime's sessions) against
-workers that block after every node, side by side in one run.
+"""Benchmark: the runtime's thread settings against each one undone, side by side in one run.
 
-The same engine dir is loaded twice; the second copy's sessions get
-``session.intra_op.allow_spinning`` = 0 (what the runtime used before). Each copy decodes
-the same held-out prompts, greedy, in turn within every repeat: the plain baseline and the
-draft model at each K and batch size. Reports tokens/s and the spinning copy's speed over
-the blocking one (median of per-repeat ratios), and whether the outputs are equal. JSON.
+Variants, each differing from ``runtime`` (the current settings) in one thing:
+- ``blocking``: ONNX Runtime workers block after every node
+  (``session.intra_op.allow_spinning`` = 0) instead of spinning within a run;
+- ``torch_threads``: the decoder's own torch ops run on torch's thread count instead of one
+  (``speculative.glue_threads`` off).
+The engine dir is loaded once per variant. Each decodes the same held-out prompts, greedy,
+in turn within every repeat: the plain baseline and the draft model at each K and batch
+size. Reports tokens/s, the runtime's speed over each variant (median of per-repeat
+ratios), and whether the outputs are equal. JSON.
 
-    .venv/bin/python scripts/bench_spinning.py --engines engines/demo --out results/spinning
+    .venv/bin/python scripts/bench_runtime_threads.py --engines engines/demo \
+        --out results/runtime_threads
 """
 
 from __future__ import annotations
@@ -16,17 +20,18 @@ import argparse
 import json
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from paradraft.runtime import onnx_backend
+from paradraft.runtime import onnx_backend, speculative
 from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
 from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
 from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
 
-VARIANTS = ("spinning", "blocking")
+VARIANTS = ("runtime", "blocking", "torch_threads")
 
 
 @contextmanager
@@ -47,6 +52,18 @@ def blocking_workers():
         onnx_backend.session_options = runtime_options
 
 
+@contextmanager
+def torch_glue():
+    """The decoder's torch ops on torch's own thread count."""
+    with mock.patch.object(speculative, "glue_threads", lambda n: nullcontext()):
+        yield
+
+
+def variant_context(variant: str):
+    return {"blocking": blocking_workers, "torch_threads": torch_glue}.get(variant,
+                                                                           nullcontext)()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/demo")
@@ -56,7 +73,7 @@ def main() -> None:
     ap.add_argument("--ks", default="4")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="out/spinning")
+    ap.add_argument("--out", default="out/runtime_threads")
     args = ap.parse_args()
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {args.repeats}")
@@ -78,7 +95,7 @@ def main() -> None:
             verifier, draft = loaded[variant]
             tokens: list[list[int]] = []
             # sessions are created on first use: the blocking copy's inside the patch
-            with blocking_workers() if variant == "blocking" else nullcontext():
+            with variant_context(variant):
                 run_ours(verifier, draft if k else None, RuleParams("greedy"), k, prompts,
                          args.max_new_tokens, bs, 0, row, tokens)
             row.repeat_tokens_per_second.append(row.tokens / row.seconds)
@@ -88,24 +105,25 @@ def main() -> None:
     report = {"engines": args.engines, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "torch_threads": torch.get_num_threads(), "rows": []}
-    print(f"{'workers':9s} {'B':>2} {'K':>2} {'tok/s':>7} {'vs K=0':>7} {'vs blocking':>11} same")
+    print(f"{'variant':13s} {'B':>2} {'K':>2} {'tok/s':>7} {'vs K=0':>7} "
+          f"{'runtime vs it':>13} same")
     for (variant, case), row in rows.items():
         bs, k = case
-        entry = {"workers": variant, "batch_size": bs, "k": k,
+        entry = {"variant": variant, "batch_size": bs, "k": k,
                  "tokens_per_second": row.tokens_per_second,
                  "repeat_tokens_per_second": row.repeat_tokens_per_second,
                  "speedup_vs_baseline": median_ratio(row, rows[(variant, (bs, 0))]),
-                 "speed_vs_blocking": median_ratio(row, rows[("blocking", case)]),
+                 "runtime_speed_over_this": median_ratio(rows[("runtime", case)], row),
                  "acceptance_rate": row.acceptance_rate,
-                 "same_output": outputs[(variant, bs, k)] == outputs[("blocking", bs, k)]}
+                 "same_output": outputs[(variant, bs, k)] == outputs[("runtime", bs, k)]}
         report["rows"].append(entry)
-        print(f"{variant:9s} {bs:2d} {k:2d} {row.tokens_per_second:7.1f} "
-              f"{entry['speedup_vs_baseline']:7.2f} {entry['speed_vs_blocking']:11.2f} "
+        print(f"{variant:13s} {bs:2d} {k:2d} {row.tokens_per_second:7.1f} "
+              f"{entry['speedup_vs_baseline']:7.2f} {entry['runtime_speed_over_this']:13.2f} "
               f"{entry['same_output']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spinning.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'spinning.json'}")
+    (out / "runtime_threads.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'runtime_threads.json'}")
 
 
 if __name__ == "__main__":
