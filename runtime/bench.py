@@ -62,6 +62,35 @@ class BenchRow:
         return d
 
 
+def add_script_args(ap, prompts: int, repeats: int) -> None:
+    """The held-out prompt and repeat options the benchmark scripts (``scripts/``) share."""
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=repeats)
+
+
+def script_prompts(args) -> list[list[int]]:
+    """Check ``add_script_args``' options; the held-out prompts as demo-tokenizer ids."""
+    from .cli import DEMO_DIR, load_tokenizer
+    from .evaluate import heldout_prompts, heldout_texts
+
+    for name in ("prompts", "prompt_tokens", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
+    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
+    return [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
+                                          args.prompts, args.prompt_tokens, 0)]
+
+
+def engine_dir_list(text: str) -> list[str]:
+    """A comma list of engine dirs to compare: at least two."""
+    dirs = text.split(",")
+    if len(dirs) < 2:
+        raise ValueError(f"engines must name at least 2 engine dirs; got {text!r}")
+    return dirs
+
+
 def median_ratio(row: BenchRow, reference: BenchRow) -> float:
     """The median over repeats of row / reference tokens/s, each ratio within one repeat."""
     return statistics.median(a / b for a, b in zip(

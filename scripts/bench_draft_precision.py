@@ -21,31 +21,29 @@ from pathlib import Path
 import torch
 
 from paradraft.build.onnx import build_engines
-from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
-from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
+from paradraft.runtime.bench import (
+    BenchRow,
+    add_script_args,
+    median_ratio,
+    run_ours,
+    script_prompts,
+)
+from paradraft.runtime.cli import DEMO_DIR
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
-from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
 
 PRECISIONS = ("float32", "int8")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--prompt-tokens", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_script_args(ap, prompts=48, repeats=2)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--drafters", default="model,parallel,self")
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="out/draft_precision")
     args = ap.parse_args()
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
-    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
-    prompts = [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
-                                              args.prompts, args.prompt_tokens, 0)]
+    prompts = script_prompts(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     kinds = args.drafters.split(",")
     rows: list[tuple[str, BenchRow]] = []  # (precision or "-", row)

@@ -18,39 +18,35 @@ from pathlib import Path
 
 import torch
 
-from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
-from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
+from paradraft.runtime.bench import (
+    BenchRow,
+    add_script_args,
+    engine_dir_list,
+    median_ratio,
+    run_ours,
+    script_prompts,
+)
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
-from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", required=True, help="comma-separated engine dirs (>= 2)")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--prompt-tokens", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_script_args(ap, prompts=48, repeats=2)
     ap.add_argument("--ks", default="4")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--drafters", default="model,parallel")
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="out/engine_dirs")
     args = ap.parse_args()
-    dirs = args.engines.split(",")
-    if len(dirs) < 2:
-        raise ValueError(f"engines must name at least 2 engine dirs; got {args.engines!r}")
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
+    dirs = engine_dir_list(args.engines)
+    prompts = script_prompts(args)
     loaded = {d: load_engines(d)[:2] for d in dirs}
     kinds = args.drafters.split(",")
     for d, (_, drafters) in loaded.items():
         if not set(kinds) <= set(drafters):
             raise ValueError(f"drafters must be built into every engine dir ({d} has "
                              f"{sorted(drafters)}); got {args.drafters!r}")
-    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
-    prompts = [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
-                                              args.prompts, args.prompt_tokens, 0)]
     variants = [(bs, kind, k) for bs in map(int, args.batch_sizes.split(","))
                 for kind, k in [("baseline", 0)] + [(kind, int(k)) for k in
                                                     args.ks.split(",") for kind in kinds]]

@@ -21,11 +21,15 @@ from pathlib import Path
 
 import torch
 
-from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
-from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
+from paradraft.runtime.bench import (
+    BenchRow,
+    add_script_args,
+    median_ratio,
+    run_ours,
+    script_prompts,
+)
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
-from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
 from paradraft.runtime.speculative import Drafter
 
 MODES = ("single-step", "fused")
@@ -34,17 +38,13 @@ MODES = ("single-step", "fused")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/demo")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--prompt-tokens", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_script_args(ap, prompts=48, repeats=2)
     ap.add_argument("--ks", default="4")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--drafters", default="model,self")
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="out/fused_drafts")
     args = ap.parse_args()
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
+    prompts = script_prompts(args)
     verifier, drafters, _, manifest = load_engines(args.engines)
     kinds = args.drafters.split(",")
     for kind in kinds:
@@ -61,9 +61,6 @@ def main() -> None:
     variants.update({(kind, "single-step"): Drafter(kind, drafters[kind].model.single_step(),
                                                     num_layers=drafters[kind].num_layers)
                      for kind in kinds})
-    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
-    prompts = [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
-                                              args.prompts, args.prompt_tokens, 0)]
     rows: list[tuple[str, BenchRow]] = []  # (mode or "-", row)
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         rows.append(("-", BenchRow("ours", "baseline", "greedy", 0, bs, False, backend="onnx")))

@@ -25,11 +25,15 @@ from unittest import mock
 import torch
 
 from paradraft.runtime import onnx_backend, speculative
-from paradraft.runtime.bench import BenchRow, median_ratio, run_ours
-from paradraft.runtime.cli import DEMO_DIR, load_tokenizer
+from paradraft.runtime.bench import (
+    BenchRow,
+    add_script_args,
+    median_ratio,
+    run_ours,
+    script_prompts,
+)
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
-from paradraft.runtime.evaluate import heldout_prompts, heldout_texts
 
 VARIANTS = ("runtime", "blocking", "torch_threads")
 
@@ -67,19 +71,12 @@ def variant_context(variant: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="engines/demo")
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--prompt-tokens", type=int, default=48)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    add_script_args(ap, prompts=24, repeats=3)
     ap.add_argument("--ks", default="4")
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="out/runtime_threads")
     args = ap.parse_args()
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
-    tokenizer = load_tokenizer(str(DEMO_DIR / "verifier"))
-    prompts = [p for p, _ in heldout_prompts(tokenizer, heldout_texts(str(DEMO_DIR)),
-                                              args.prompts, args.prompt_tokens, 0)]
+    prompts = script_prompts(args)
     cases = [(bs, k) for bs in map(int, args.batch_sizes.split(","))
              for k in [0, *map(int, args.ks.split(","))]]
     loaded = {}

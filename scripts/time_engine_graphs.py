@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from paradraft.runtime.bench import engine_dir_list
 from paradraft.runtime.engines import load_engines, step_inputs
 from paradraft.runtime.model import new_kv_cache
 
@@ -59,9 +60,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default="out/engine_graphs")
     args = ap.parse_args()
-    dirs = args.engines.split(",")
-    if len(dirs) < 2:
-        raise ValueError(f"engines must name at least 2 engine dirs; got {args.engines!r}")
+    dirs = engine_dir_list(args.engines)
     for name in ("batch_size", "passes", "calls", "cache_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
