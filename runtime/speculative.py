@@ -45,7 +45,8 @@ class AcceptanceMonitor:
 
     The rate is taken over roughly the last ``window`` drafted tokens (exponential decay);
     it warns once per crossing and again only after it has recovered to ``floor +
-    hysteresis``: a rate that hovers at the floor would otherwise warn every few rounds."""
+    hysteresis`` (at most halfway from the floor to 1): a rate that hovers at the floor
+    would otherwise warn every few rounds."""
 
     floor: float = 0.6
     window: int = 512
@@ -89,13 +90,19 @@ class AcceptanceMonitor:
             self.alerts += 1
             log.warning("running acceptance rate %.3f fell below the floor %.3f", rate,
                         self.floor)
-        elif rate >= self.floor + self.hysteresis:
+        # re-arm past the hysteresis, capped halfway to 1 so that a floor near 1 re-arms too
+        elif rate >= self.floor + min(self.hysteresis, (1.0 - self.floor) / 2):
             self.alerting = False
 
 
 @contextmanager
 def glue_threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads (None: as they are)."""
+    """Run the block with ``n`` torch intra-op threads (None: as they are).
+
+    torch's thread count is process-wide: another thread whose first torch op falls inside
+    the block keeps ``n`` threads. The decoder's caller (the CLI, the server's one
+    scheduler thread) is the process's only heavy torch user, so this is safe there; an
+    application running its own torch work in other threads should set the count itself."""
     if n is None:
         yield
         return

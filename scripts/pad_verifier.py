@@ -29,6 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     weights = {k: v.float() for k, v in load_file(args.verifier / "model.safetensors").items()}
     config = json.loads((args.verifier / "config.json").read_text())
+    if config.get("model_type") not in ("llama", "qwen2"):
+        raise ValueError(f"verifier must be a Llama-family model (llama, qwen2: o_proj / "
+                         f"down_proj weights); got model_type {config.get('model_type')!r}")
     n = config["num_hidden_layers"]
     g = torch.Generator().manual_seed(0)
     for i in range(n, 2 * n):

@@ -64,6 +64,8 @@ def main() -> None:
     for name in ("batch_size", "passes", "calls", "cache_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
+    if args.k < 2:  # fused graphs exist for k >= 2; k = 1 is the plain step graph
+        raise ValueError(f"k must be >= 2 (a fused draft graph); got {args.k}")
     calls = {d: graph_calls(d, args.batch_size, [int(t) for t in args.verify_tokens.split(",")],
                             args.k, args.cache_len) for d in dirs}
     best: dict[tuple[str, str], float] = {}

@@ -220,6 +220,12 @@ def test_acceptance_alert_rearms_only_after_recovering_past_the_hysteresis():
     for _ in range(40):
         monitor.update(drafted=10, accepted=2)
     assert monitor.alerts == 2
+    # a floor within the hysteresis of 1 re-arms at a perfect rate
+    high = AcceptanceMonitor(floor=0.99, window=100, min_drafted=10)
+    high.update(drafted=10, accepted=5)
+    for _ in range(100):
+        high.update(drafted=10, accepted=10)
+    assert high.alerts == 1 and not high.alerting
 
 
 def test_draft_len_schedule_picks_k_by_batch_size(verifier, draft):
