@@ -326,11 +326,7 @@ class SpeculativeDecoder:
         self.margin = 2 * self.k + 2  # room for a round's draft/verify writes past the length
         dtype, device = verifier.dtype, verifier.device
         self.device = device
-        # with engines on the CPU, torch runs only this decoder's small ops: on one thread,
-        # since idle OpenMP workers competed with ONNX Runtime's for the cores (measured on
-        # 2 cores: the draft model at K=4 +10-15 % tok/s, plain decoding unchanged)
-        self.glue_threads = (1 if device.type == "cpu" and not isinstance(verifier, torch.nn.Module)
-                             else None)
+        self.engine_on_cpu = device.type == "cpu" and not isinstance(verifier, torch.nn.Module)
         size = max_seq_len + self.margin
         self.cache = new_kv_cache(verifier.config, max_batch_size, size, dtype, device)
         self.draft_cache: KVCache | None = None
@@ -392,6 +388,16 @@ class SpeculativeDecoder:
         q = sampling_probs(logits, self.params.temperature, self.params.top_p)
         noise = exponential_noise(q.shape, gen, q.device)
         return sample(q, noise), q
+
+    def glue(self) -> int | None:
+        """Torch threads for this decoder's own ops (None: torch's count). With engines on
+        the CPU and greedy rounds, torch only indexes and takes one argmax: one thread, since
+        idle OpenMP workers competed with ONNX Runtime's for the cores (measured on 2 cores:
+        the draft model at K=4 1.11x at batch 1, 1.13x at batch 8). Sampling keeps torch's
+        threads: its softmax / top-p sort over [B, K+1, V] is real work (top-p at batch 8:
+        20 ms a round on one thread, 11 ms on two)."""
+        greedy = self.params.is_greedy and not self.draft_sampling
+        return 1 if self.engine_on_cpu and greedy else None
 
     # -- the round's K ---------------------------------------------------------------------
 
@@ -501,7 +507,7 @@ class SpeculativeDecoder:
         right-padded prompts and take the first token from the same correction code (K=0).
         ``num_draft_tokens``: per-request K (<= the decoder's K; default: K).
         Returns, per slot, the tokens it gained and whether it is still running."""
-        with glue_threads(self.glue_threads):
+        with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, gen,
                                  num_draft_tokens)
 
@@ -584,7 +590,7 @@ class SpeculativeDecoder:
         """One round for the running ``slots``: draft → verify → correct → roll back.
         ``k``: the round's K (default: ``round_k``; 0: no drafts).
         Returns, per slot, the tokens it gained and whether it is still running."""
-        with glue_threads(self.glue_threads):
+        with glue_threads(self.glue()):
             return self._step(slots, gen, k)
 
     def _step(self, slots: list[int], gen: torch.Generator, k: int | None
