@@ -391,13 +391,13 @@ class SpeculativeDecoder:
 
     def glue(self) -> int | None:
         """Torch threads for this decoder's own ops (None: torch's count). With engines on
-        the CPU and greedy rounds, torch only indexes and takes one argmax: one thread, since
-        idle OpenMP workers competed with ONNX Runtime's for the cores (measured on 2 cores:
-        the draft model at K=4 1.11x at batch 1, 1.13x at batch 8). Sampling keeps torch's
-        threads: its softmax / top-p sort over [B, K+1, V] is real work (top-p at batch 8:
-        20 ms a round on one thread, 11 ms on two)."""
-        greedy = self.params.is_greedy and not self.draft_sampling
-        return 1 if self.engine_on_cpu and greedy else None
+        the CPU, torch only indexes, takes an argmax or a softmax: one thread, since idle
+        OpenMP workers competed with ONNX Runtime's for the cores (measured on 2 cores: the
+        draft model at K=4 1.11x at batch 1, 1.13x at batch 8). A round that samples with
+        top-p < 1 keeps torch's threads: its sort over [B, K+1, V] is real work (batch 8,
+        K=4, 8192 tokens: 20 ms a round on one thread, 11 ms on two)."""
+        sorts = not self.params.is_greedy and self.params.top_p < 1.0
+        return 1 if self.engine_on_cpu and not sorts else None
 
     # -- the round's K ---------------------------------------------------------------------
 

@@ -179,7 +179,8 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch
     """The verifier's graph gets ``threads``, every drafting graph (draft model, parallel
     draft, self-draft layers, fused steps) ``draft_threads``: one by default, ``threads``
     with None. A bad count is refused by name. Workers spin only within a run. The decoder
-    runs its own torch ops on one thread in greedy rounds; the sessions keep their counts."""
+    runs its own torch ops on one thread unless top-p sorts the vocabulary; the sessions
+    keep their counts."""
     from paradraft.runtime.onnx_backend import Graph
 
     def intra_op(graph) -> int:
@@ -223,11 +224,12 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch
         SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
                            max_batch_size=1).generate([[4, 8, 15]], 6)
         assert intra_op(verifier._graphs[None]) == 2
-        # sampling keeps torch's threads: its softmax / top-p sort over the vocab is real work
-        seen.clear()
-        SpeculativeDecoder(verifier, drafters["model"], RuleParams("exact"), k=3,
-                           max_batch_size=1).generate([[4, 8, 15]], 6)
-        assert seen and set(seen) == {2}
+        # sampling with top-p keeps torch's threads: its sort over the vocab is real work
+        for top_p, want_threads in ((1.0, 1), (0.9, 2)):
+            seen.clear()
+            SpeculativeDecoder(verifier, drafters["model"], RuleParams("exact", top_p=top_p),
+                               k=3, max_batch_size=1).generate([[4, 8, 15]], 6)
+            assert seen and set(seen) == {want_threads}
     finally:
         torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="draft_threads must be an integer >= 1"):
