@@ -91,6 +91,15 @@ def engine_dir_list(text: str) -> list[str]:
     return dirs
 
 
+def write_report(out_dir: str | Path, name: str, report: dict) -> Path:
+    """``report`` as ``out_dir/name`` (JSON), announced on stdout."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def median_ratio(row: BenchRow, reference: BenchRow) -> float:
     """The median over repeats of row / reference tokens/s, each ratio within one repeat."""
     return statistics.median(a / b for a, b in zip(

@@ -13,8 +13,6 @@ as the median of per-repeat ratios, and whether the output equals the reference'
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
@@ -25,6 +23,7 @@ from paradraft.runtime.bench import (
     median_ratio,
     run_ours,
     script_prompts,
+    write_report,
 )
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
@@ -81,10 +80,7 @@ def main() -> None:
         print(f"{d[-28:]:28s} {bs:>2} {kind:8s} {k:>2} {entry['tokens_per_second']:7.1f} "
               f"{entry['speedup_vs_baseline']:7.2f} {entry['speed_vs_reference']:24.2f} "
               f"{acc:>6} {entry['same_output_as_reference']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_dirs.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out / 'engine_dirs.json'}")
+    write_report(args.out, "engine_dirs.json", report)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ ratios), and whether the outputs are equal. JSON.
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -31,6 +29,7 @@ from paradraft.runtime.bench import (
     median_ratio,
     run_ours,
     script_prompts,
+    write_report,
 )
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.engines import load_engines
@@ -117,10 +116,7 @@ def main() -> None:
         print(f"{variant:13s} {bs:2d} {k:2d} {row.tokens_per_second:7.1f} "
               f"{entry['speedup_vs_baseline']:7.2f} {entry['runtime_speed_over_this']:13.2f} "
               f"{entry['same_output']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "runtime_threads.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'runtime_threads.json'}")
+    write_report(args.out, "runtime_threads.json", report)
 
 
 if __name__ == "__main__":

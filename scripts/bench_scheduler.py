@@ -13,13 +13,11 @@ each level over concurrency 1 (median of per-repeat ratios). JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
-from paradraft.runtime.bench import add_script_args, script_prompts
+from paradraft.runtime.bench import add_script_args, script_prompts, write_report
 from paradraft.runtime.cli import DEMO_DIR
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.scheduler import Request
@@ -99,10 +97,7 @@ def main() -> None:
     for c, level in report["levels"].items():
         print(f"concurrency {c:2d}: {level['tokens_per_second']:7.1f} tok/s, "
               f"{level[f'vs_c{first}']:.2f}x concurrency {first}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scheduler.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'scheduler.json'}")
+    write_report(args.out, "scheduler.json", report)
 
 
 if __name__ == "__main__":
