@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .correction import RULES, RuleParams
+from .correction import RULES, RuleParams, check_range
 from .speculative import check_draft_len_schedule
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "triton_repo"
@@ -69,10 +69,7 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-        if (not isinstance(self.acceptance_floor, (int, float))
-                or isinstance(self.acceptance_floor, bool)
-                or not 0.0 <= self.acceptance_floor <= 1.0):
-            raise ValueError(f"acceptance_floor must be in [0, 1]; got {self.acceptance_floor!r}")
+        check_range("acceptance_floor", self.acceptance_floor, 0.0, 1.0)
         if self.disable_by_batch_size is not None and (
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "

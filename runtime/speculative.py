@@ -27,6 +27,7 @@ from .correction import (
     MAX_K,
     RuleParams,
     check_k,
+    check_range,
     draw_randoms,
     exponential_noise,
     sample,
@@ -313,8 +314,7 @@ class SpeculativeDecoder:
         self.draft_len_schedule = check_draft_len_schedule(draft_len_schedule, self.k)
         # "auto": (batch sizes, seconds per round [size, K = 0..k]), measured by calibrate()
         self.round_seconds: tuple[list[int], Tensor] | None = None
-        if not 0.0 <= acceptance_floor <= 1.0:
-            raise ValueError(f"acceptance_floor must be in [0, 1]; got {acceptance_floor}")
+        check_range("acceptance_floor", acceptance_floor, 0.0, 1.0)
         self.monitor = AcceptanceMonitor(floor=acceptance_floor)
         self.adaptive_k = adaptive_k
         self.audit_epsilon = audit_epsilon
