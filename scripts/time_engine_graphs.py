@@ -3,7 +3,10 @@
 Times the verifier's step graph (T tokens) and the draft model's fused k-step graph alone,
 with the sessions the runtime creates, on a cache filled to ``--cache-len`` positions,
 for each engine dir in turn within every pass; reports each dir's best pass (ms per call,
-the median of ``--calls`` calls) and the speed over the first dir. JSON.
+the median of ``--calls`` calls) and the speed over the first dir. ``--after-draft`` also
+times each verifier graph right after an (untimed) call of the fused draft graph, the order
+of a speculative round: what the draft's run leaves behind (caches, idle workers) costs the
+verifier in the decoding loop. JSON.
 
     .venv/bin/python scripts/time_engine_graphs.py --engines engines/before,engines/after
 """
@@ -24,8 +27,8 @@ from paradraft.runtime.model import new_kv_cache
 
 
 def graph_calls(engine_dir: str, batch_size: int, verify_tokens: list[int], k: int,
-                cache_len: int) -> dict:
-    """{label: a no-argument function that runs one call}."""
+                cache_len: int, after_draft: bool = False) -> dict:
+    """{label: (an untimed no-argument function to run first or None, one timed call)}."""
     verifier, drafters = load_engines(engine_dir)[:2]
     draft = drafters["model"].model
     calls = {}
@@ -45,7 +48,11 @@ def graph_calls(engine_dir: str, batch_size: int, verify_tokens: list[int], k: i
             model(tokens, pos, cache, kv_len=cache_len + 12)  # creates the session
             graph = model._graphs[None]
         feeds = {key: t.numpy() for key, t in inputs.items()}
-        calls[name] = lambda s=graph.session, f=feeds: s.run(None, f)
+        calls[name] = (None, lambda s=graph.session, f=feeds: s.run(None, f))
+    if after_draft:
+        draft_call = calls[f"draft fused K={k}"][1]
+        calls.update({f"{name} after draft": (draft_call, call)
+                      for name, (_, call) in list(calls.items()) if name.startswith("verifier")})
     return calls
 
 
@@ -58,6 +65,8 @@ def main() -> None:
     ap.add_argument("--cache-len", type=int, default=120)
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--after-draft", action="store_true",
+                    help="also time each verifier graph right after a draft graph call")
     ap.add_argument("--out", default="out/engine_graphs")
     args = ap.parse_args()
     dirs = engine_dir_list(args.engines)
@@ -67,15 +76,17 @@ def main() -> None:
     if args.k < 2:  # fused graphs exist for k >= 2; k = 1 is the plain step graph
         raise ValueError(f"k must be >= 2 (a fused draft graph); got {args.k}")
     calls = {d: graph_calls(d, args.batch_size, [int(t) for t in args.verify_tokens.split(",")],
-                            args.k, args.cache_len) for d in dirs}
+                            args.k, args.cache_len, args.after_draft) for d in dirs}
     best: dict[tuple[str, str], float] = {}
     for _ in range(args.passes):
         for d, graphs in calls.items():
-            for label, call in graphs.items():
+            for label, (before, call) in graphs.items():
                 for _ in range(20):  # warm-up
                     call()
                 times = []
                 for _ in range(args.calls):
+                    if before is not None:
+                        before()
                     t0 = time.perf_counter()
                     call()
                     times.append(time.perf_counter() - t0)
@@ -85,13 +96,15 @@ def main() -> None:
              "speed_vs_reference": best[(dirs[0], label)] / ms}
             for (d, label), ms in best.items()]
     for r in rows:
-        print(f"{r['engines']:28s} {r['graph']:18s} B{r['batch_size']} "
+        print(f"{r['engines']:28s} {r['graph']:30s} B{r['batch_size']} "
               f"{r['ms_per_call']:7.3f} ms  {r['speed_vs_reference']:5.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_graphs.json").write_text(json.dumps({"engines": dirs, "rows": rows,
                                                         "passes": args.passes,
-                                                        "calls": args.calls}, indent=2))
+                                                        "calls": args.calls,
+                                                        "after_draft": args.after_draft},
+                                                       indent=2))
     print(f"wrote {out / 'engine_graphs.json'}")
 
 
