@@ -27,9 +27,9 @@ from paradraft.runtime.model import new_kv_cache
 
 
 def graph_calls(engine_dir: str, batch_size: int, verify_tokens: list[int], k: int,
-                cache_len: int, after_draft: bool = False) -> dict:
+                cache_len: int, after_draft: bool = False, threads: int | None = None) -> dict:
     """{label: (an untimed no-argument function to run first or None, one timed call)}."""
-    verifier, drafters = load_engines(engine_dir)[:2]
+    verifier, drafters = load_engines(engine_dir, threads=threads)[:2]
     draft = drafters["model"].model
     calls = {}
     for model, name, n_tokens, reach in [
@@ -67,16 +67,21 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--after-draft", action="store_true",
                     help="also time each verifier graph right after a draft graph call")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="ONNX Runtime intra-op threads of the verifier (default: torch's)")
     ap.add_argument("--out", default="out/engine_graphs")
     args = ap.parse_args()
     dirs = engine_dir_list(args.engines)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"threads must be >= 1; got {args.threads}")
     for name in ("batch_size", "passes", "calls", "cache_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be >= 1; got {getattr(args, name)}")
     if args.k < 2:  # fused graphs exist for k >= 2; k = 1 is the plain step graph
         raise ValueError(f"k must be >= 2 (a fused draft graph); got {args.k}")
     calls = {d: graph_calls(d, args.batch_size, [int(t) for t in args.verify_tokens.split(",")],
-                            args.k, args.cache_len, args.after_draft) for d in dirs}
+                            args.k, args.cache_len, args.after_draft, args.threads)
+             for d in dirs}
     best: dict[tuple[str, str], float] = {}
     for _ in range(args.passes):
         for d, graphs in calls.items():
@@ -103,7 +108,8 @@ def main() -> None:
     (out / "engine_graphs.json").write_text(json.dumps({"engines": dirs, "rows": rows,
                                                         "passes": args.passes,
                                                         "calls": args.calls,
-                                                        "after_draft": args.after_draft},
+                                                        "after_draft": args.after_draft,
+                                                        "threads": args.threads},
                                                        indent=2))
     print(f"wrote {out / 'engine_graphs.json'}")
 
