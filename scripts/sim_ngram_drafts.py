@@ -7,13 +7,15 @@ any point of the verifier's greedy continuation is its common prefix with that
 continuation. This script decodes held-out prompts greedily with the verifier (torch), then
 counts, at each round start the speculative loop would reach, the tokens per verify round
 of: the draft model (teacher-forced on the continuation, which is exact until its first
-miss), n-gram proposals, the hybrid "n-gram when the suffix match is at least m tokens long,
-else the draft model", and an oracle that always picks the longer. Writes JSON.
+miss), n-gram proposals alone (no match: no drafts), the hybrid "n-gram when the suffix
+match is at least m tokens long, else the draft model", and an oracle that always picks the
+longer. Writes JSON.
 
 A hybrid round that skips the draft model saves the draft's share of a round's time
 (``--draft-share``, measured by ``paradraft bench``: draft seconds / total seconds at K);
-``modelled_speed_vs_model`` combines that with the counts. Measured speed needs the real
-loop; this only says whether building it could pay.
+``modelled_speed_vs_model`` combines that with the counts (every round without the draft
+model is costed as a verify of K+1 positions: slightly high for rounds with fewer drafts).
+Measured speed needs the real loop; this only says whether building it could pay.
 
     .venv/bin/python scripts/sim_ngram_drafts.py --out results/ngram_drafts
 """
@@ -79,7 +81,10 @@ def main() -> None:
     draft = load_model(DEMO_DIR / "draft")
     decoder = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=1,
                                  max_seq_len=max(map(len, prompts)) + args.max_new_tokens)
-    policies = ["model", "ngram", *(f"ngram if match >= {m}" for m in (2, 3, 4, 6)), "oracle"]
+    # "ngram only": no match, no drafts (a plain step); "ngram if match >= m": the draft
+    # model when the longest suffix match is shorter than m
+    policies = ["model", "ngram only", *(f"ngram if match >= {m}" for m in (1, 2, 3, 4, 6)),
+                "oracle"]
     counts = {p: {"rounds": 0, "tokens": 0, "model_rounds": 0} for p in policies}
     for prompt in prompts:
         truth = decoder.generate([prompt], args.max_new_tokens).token_ids[0]
@@ -92,8 +97,8 @@ def main() -> None:
                 ngram_len = common_prefix(proposal, truth[t:])
                 if policy == "oracle":
                     use_model = model_len > ngram_len
-                elif policy == "ngram":
-                    use_model = n == 0
+                elif policy == "ngram only":
+                    use_model = False
                 else:
                     use_model = policy == "model" or n < int(policy.rsplit(" ", 1)[1])
                 accepted = model_len if use_model else ngram_len
