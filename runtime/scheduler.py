@@ -1,9 +1,11 @@
 """In-flight batching: many requests over a fixed pool of KV-cache slots.
 
 Requests join the running batch between rounds (a batched prefill into free slots) and leave
-as soon as they finish or are cancelled; their slot is reused by the next request. When every
-slot is busy, new requests wait in a bounded queue; a full queue refuses a request at once
-(``QueueFull``) instead of letting work pile up. One background thread owns the decoder.
+as soon as they finish or are cancelled; their slot is reused by the next request. Requests
+wait in a bounded queue: at most ``max_queue`` beyond the free slots (which the next round
+fills). A full queue refuses a request at once (``QueueFull``) instead of letting work pile
+up, also when slots are free but the waiting requests cannot take them yet (different
+parameters, below). One background thread owns the decoder.
 
 A running batch shares one set of rule parameters (the decoder's correction is vectorised
 over rows with scalar parameters); a request whose parameters differ from the running batch
@@ -76,9 +78,9 @@ class Scheduler:
         with self.lock:
             if self.stopping:
                 raise RuntimeError("scheduler is shutting down")
-            if len(self.queue) >= self.max_queue and not self.free:
-                raise QueueFull(f"queue full ({self.max_queue} waiting, all "
-                                f"{self.decoder.max_batch_size} slots busy); retry later")
+            if len(self.queue) >= self.max_queue + len(self.free):
+                raise QueueFull(f"queue full ({len(self.queue)} waiting: max_queue "
+                                f"{self.max_queue} + {len(self.free)} free slots); retry later")
             self.queue.append(request)
             self.lock.notify()
 

@@ -89,6 +89,38 @@ def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
         sched.stop()
 
 
+def test_the_queue_stays_bounded_while_waiting_requests_cannot_take_free_slots(models):
+    """Requests whose parameters differ from the running batch wait even with slots free;
+    they count against the bound (max_queue + free slots) and the rest are refused."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=3, max_seq_len=64)
+    sched = Scheduler(dec, max_queue=2)
+    greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.7)
+    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(tokens):  # the greedy batch keeps running until the test is done
+        started.set()
+        release.wait(60)
+
+    done_first = threading.Event()
+    try:
+        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: done_first.set(),
+                             is_cancelled=cancelled.is_set))
+        assert started.wait(60)
+        waiting = [collect(sched, [3, 4], 4, sampled) for _ in range(2 + 2)]  # 2 + 2 free
+        assert sched.stats() == {"active": 1, "queued": 4, "free_slots": 2}
+        with pytest.raises(QueueFull, match=r"4 waiting: max_queue 2 \+ 2 free slots"):
+            collect(sched, [5], 4, sampled)
+        cancelled.set()  # the greedy batch drains; the sampled requests run, none is lost
+        release.set()
+        assert done_first.wait(60)
+        for out, done, result in waiting:
+            assert done.wait(60) and result["error"] is None and len(out) == 4
+    finally:
+        sched.stop()
+
+
 def test_serve_config_validates_its_limits():
     from paradraft.runtime.serve import ServeConfig
 
