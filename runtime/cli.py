@@ -231,13 +231,17 @@ def int_list(text: str, name: str, low: int, high: int) -> list[int]:
     return values
 
 
-def eval_prompts(args: argparse.Namespace) -> list[list[int]]:
+def eval_prompt_pairs(args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, held-out reference continuation ids) pairs."""
     from .evaluate import heldout_prompts, heldout_texts
 
     tokenizer = load_tokenizer(args.verifier)
     texts = heldout_texts(args.heldout)
-    pairs = heldout_prompts(tokenizer, texts, args.prompts, args.prompt_tokens, args.seed)
-    return [p for p, _ in pairs]
+    return heldout_prompts(tokenizer, texts, args.prompts, args.prompt_tokens, args.seed)
+
+
+def eval_prompts(args: argparse.Namespace) -> list[list[int]]:
+    return [p for p, _ in eval_prompt_pairs(args)]
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -336,7 +340,14 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
     from dataclasses import asdict
 
     from .correction import check_k, check_range
-    from .evaluate import compare, frontier, measure, print_table, tune_grid
+    from .evaluate import (
+        compare,
+        frontier,
+        heldout_perplexity,
+        measure,
+        print_table,
+        tune_grid,
+    )
 
     for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
         check_range(name, getattr(args, name), 1, 1e6)
@@ -345,43 +356,65 @@ def cmd_eval(args: argparse.Namespace, tune: bool = False) -> None:
     check_range("diversity_budget", args.diversity_budget, 0.0, 1.0)
     verifier = load_model(args.verifier)
     drafter = load_drafters(args, verifier, torch.float32)[args.drafters.split(",")[0]]
-    prompts = eval_prompts(args)
+    pairs = eval_prompt_pairs(args)
+    prompts = [p for p, _ in pairs]
     seeds = list(range(args.seeds))
     common = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, seeds=seeds,
                   batch_size=args.batch_size)
-    base_params = RuleParams("exact", temperature=args.temperature, top_p=args.top_p)
-    baseline = measure(verifier, None, base_params, 0, label="autoregressive (exact)",
-                       **common)
-    rows = [measure(verifier, drafter, base_params, args.k, label="exact (lossless)", **common)]
     if tune:
         settings = [dict(rule=args.rule, **kw) for kw in tune_grid(args.rule)]
     else:
         settings = [dict(rule=r, temperature=args.temperature, top_p=args.top_p)
                     for r in ("greedy", "threshold", "ratio", "dynamic", "typical")]
-    for kw in settings:
-        params = RuleParams(**kw)
-        label = " ".join(f"{k}={v}" for k, v in kw.items())
-        rows.append(measure(verifier, drafter, params, args.k, label=label, **common))
-    compare([baseline, *rows], rows[0], baseline.tokens_per_second, args.budget,
-            args.diversity_budget)
-    print_table([baseline, *rows], f"quality vs exact (budget: perplexity +{args.budget:.0%}, "
-                f"distinct-2 -{args.diversity_budget:.0%}; {len(baseline.sequence_nll)} "
-                "sequences per setting)")
-    low, high = baseline.ppl_change_interval
-    print(f"sampling noise: the two lossless samplers differ by {baseline.ppl_change_vs_exact:+.1%}"
-          f" [{low:+.1%}, {high:+.1%}] in perplexity; a Δppl inside such an interval is not "
-          "resolved by this many sequences")
-    result = {"baseline": asdict(baseline), "rows": [asdict(r) for r in rows],
+    # the flags set what a tune grid does not sweep (top_p for most rules)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+    measured = [(" ".join(f"{k}={v}" for k, v in kw.items()), RuleParams(**{**sampling, **kw}))
+                for kw in settings]
+    # a setting is compared against exact sampling at its own temperature and top_p with the
+    # same seeds: against another temperature's exact the change would be the temperature's.
+    # eval has one such pair; tune's grid sweeps them
+    references = list(dict.fromkeys((p.temperature, p.top_p) for _, p in measured))
+    baselines, rows = [], []
+    for temperature, top_p in references:
+        base_params = RuleParams("exact", temperature=temperature, top_p=top_p)
+        at = f" T={temperature} top_p={top_p}" if tune else ""
+        baseline = measure(verifier, None, base_params, 0,
+                           label="autoregressive (exact)" + at, **common)
+        group = [measure(verifier, drafter, base_params, args.k, label="exact (lossless)" + at,
+                         **common)]
+        group += [measure(verifier, drafter, params, args.k, label=label, **common)
+                  for label, params in measured
+                  if (params.temperature, params.top_p) == (temperature, top_p)]
+        compare([baseline, *group], group[0], baseline.tokens_per_second, args.budget,
+                args.diversity_budget)
+        print_table([baseline, *group],
+                    f"quality vs exact at temperature={temperature} top_p={top_p} (budget: "
+                    f"perplexity +{args.budget:.0%}, distinct-2 -{args.diversity_budget:.0%}; "
+                    f"{len(baseline.sequence_nll)} sequences per setting)")
+        low, high = baseline.ppl_change_interval
+        print(f"sampling noise: the two lossless samplers differ by "
+              f"{baseline.ppl_change_vs_exact:+.1%} [{low:+.1%}, {high:+.1%}] in perplexity; a "
+              "Δppl inside such an interval is not resolved by this many sequences\n")
+        baselines.append(baseline)
+        rows += group
+    heldout_ppl = heldout_perplexity(verifier, pairs, args.max_new_tokens)
+    print(f"held-out text: the verifier's perplexity on the prompts' reference continuations "
+          f"(cut to {args.max_new_tokens} tokens) is {heldout_ppl:.2f}: the reference point for "
+          "the perplexities of the generated text above")
+    result = {"heldout_text_perplexity": heldout_ppl, "rows": [asdict(r) for r in rows],
               "budget": args.budget, "diversity_budget": args.diversity_budget}
     if tune:
+        result["baselines"] = [asdict(b) for b in baselines]
         front = frontier(rows)
         ok = [r for r in rows if r.within_budget and r.rule == args.rule]
         best = max(ok, key=lambda r: r.speedup) if ok else None
-        print_table(front, "speed/quality frontier")
+        print_table(front, "speed/quality frontier (each Δ against the exact row at the "
+                    "setting's own temperature and top_p)")
         print("best within budget:", best.label if best else "none")
         result["frontier"] = [r.label for r in front]
         result["best_within_budget"] = asdict(best) if best else None
     else:
+        result["baseline"] = asdict(baselines[0])
         result["passing"] = [r.label for r in rows if r.within_budget]
         print("within the budget:", ", ".join(result["passing"]))
     out = Path(args.out)

@@ -74,6 +74,18 @@ def continuation_logprobs(model: Transformer, prompt: list[int], continuation: l
     return logp.gather(-1, torch.tensor(continuation)[:, None])[:, 0].tolist()
 
 
+def heldout_perplexity(verifier: Transformer, pairs: list[tuple[list[int], list[int]]],
+                       max_new_tokens: int) -> float:
+    """The verifier's perplexity on the held-out reference continuations of the prompts, each
+    cut to ``max_new_tokens`` as the generated ones are: what human-written text of the same
+    length scores, the reference point for the perplexities of generated text (sampled text
+    can score far below it by looping, or above it when a rule is lossy)."""
+    logprobs: list[float] = []
+    for prompt, reference in pairs:
+        logprobs += continuation_logprobs(verifier, prompt, reference[:max_new_tokens])
+    return perplexity_from_logprobs(logprobs)
+
+
 def distinct_n(sequences: list[list[int]], n: int) -> float:
     """Distinct n-grams / total n-grams over all sequences (diversity)."""
     grams = [tuple(s[i: i + n]) for s in sequences for i in range(len(s) - n + 1)]
@@ -98,6 +110,7 @@ class QualityRow:
     distinct_2_change_vs_exact: float = 0.0
     failed: list[str] = field(default_factory=list)  # "perplexity", "diversity"
     within_budget: bool = True
+    reference: str = ""  # label of the exact row the changes are against
     # per generated sequence, in (seed, prompt) order: what the bootstrap resamples
     sequence_nll: list[float] = field(default_factory=list, repr=False)
     sequence_tokens: list[int] = field(default_factory=list, repr=False)
@@ -168,10 +181,17 @@ def compare(rows: list[QualityRow], exact: QualityRow, baseline_tps: float,
             budget: float, diversity_budget: float = 0.10) -> None:
     """Fill speed-up (vs plain decoding) and the quality changes against ``exact`` (lossless
     speculative sampling): a row fails on perplexity above ``budget`` or on a distinct-2 drop
-    beyond ``diversity_budget`` (both relative)."""
+    beyond ``diversity_budget`` (both relative). Every row must share ``exact``'s temperature
+    and top_p: against another temperature's exact the change would be the temperature's."""
     check_range("budget", budget, 0.0, 100.0)
     check_range("diversity_budget", diversity_budget, 0.0, 1.0)
+    sampling = ("temperature", "top_p")
     for r in rows:
+        if [r.params.get(k) for k in sampling] != [exact.params.get(k) for k in sampling]:
+            raise ValueError(f"{r.label!r} is compared against {exact.label!r} at another "
+                             "temperature or top_p")
+    for r in rows:
+        r.reference = exact.label
         r.speedup = r.tokens_per_second / baseline_tps if baseline_tps else 0.0
         r.ppl_change_vs_exact = r.perplexity / exact.perplexity - 1.0
         r.ppl_change_interval = bootstrap_ppl_change(r, exact)

@@ -19,6 +19,7 @@ from paradraft.runtime.evaluate import (
     continuation_logprobs,
     distinct_n,
     frontier,
+    heldout_perplexity,
     perplexity_from_logprobs,
 )
 from paradraft.runtime.model import load_model
@@ -46,6 +47,17 @@ def test_continuation_logprobs_match_a_manual_softmax(pair):
     p = torch.softmax(logits[0], -1)
     want = [math.log(p[2, 11]), math.log(p[3, 13])]
     assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_heldout_perplexity_scores_the_references_cut_to_the_generated_length(pair):
+    model = load_model(pair[0])
+    pairs = [([3, 5, 7], [11, 13, 17, 19]), ([4, 6], [8, 10, 12])]
+    first, second = (continuation_logprobs(model, p, c) for p, c in pairs)
+    # cut to 2 tokens: only the first two scores of each reference count
+    want = math.exp(-(first[0] + first[1] + second[0] + second[1]) / 4)
+    assert heldout_perplexity(model, pairs, max_new_tokens=2) == pytest.approx(want)
+    assert heldout_perplexity(model, pairs, max_new_tokens=2) != pytest.approx(
+        heldout_perplexity(model, pairs, max_new_tokens=4))
 
 
 def test_distinct_n_by_hand():
@@ -119,6 +131,17 @@ def test_compare_fails_perplexity_and_collapse_but_not_lossless_noise():
     assert fine.speedup == pytest.approx(2.0)
     with pytest.raises(ValueError, match=r"diversity_budget must be in \[0, 1\]"):
         compare(rows, exact, 50.0, 0.10, diversity_budget=1.5)
+    assert {r.reference for r in rows} == {"exact"}
+
+
+def test_compare_refuses_an_exact_row_at_another_temperature():
+    tokens = [10, 10]
+    exact = quality_row("exact", [10.0] * 2, tokens)
+    exact.params = {"temperature": 1.0, "top_p": 0.8}
+    hotter = quality_row("dynamic", [12.0] * 2, tokens)
+    hotter.params = {"temperature": 1.2, "top_p": 0.8}
+    with pytest.raises(ValueError, match="another temperature or top_p"):
+        compare([hotter], exact, 50.0, 0.10)
 
 
 needs_demo = pytest.mark.skipif(
@@ -175,6 +198,9 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
     assert rules == ["exact", "greedy", "threshold", "ratio", "dynamic", "typical"]
     exact = data["rows"][0]
     assert exact["ppl_change_vs_exact"] == 0.0
+    assert {row["reference"] for row in data["rows"]} == {exact["label"]}
+    heldout = data["heldout_text_perplexity"]
+    assert isinstance(heldout, float) and math.isfinite(heldout) and heldout > 1.0
     for row in data["rows"]:
         assert row["perplexity"] > 1.0 and 0 < row["distinct_1"] <= 1
         low, high = row["ppl_change_interval"]
@@ -183,6 +209,40 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
         lossy_fail = (row["ppl_change_vs_exact"] > 0.10
                       or row["distinct_2_change_vs_exact"] < -0.10) and row["rule"] != "exact"
         assert row["within_budget"] == (not lossy_fail)
+
+
+@needs_demo
+def test_tune_end_to_end_compares_each_setting_at_its_own_temperature(tmp_path):
+    r = cli("tune", "--rule", "dynamic", "--prompts", "2", "--max-new-tokens", "8",
+            "--seeds", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "tune.json").read_text())
+    by_label = {row["label"]: row for row in data["rows"]}
+    assert len(by_label) == len(data["rows"])  # labels name rows unambiguously
+
+    def sampling(row):
+        return row["params"]["temperature"], row["params"]["top_p"]
+
+    tuned = [row for row in data["rows"] if row["rule"] == "dynamic"]
+    assert len(tuned) == 16
+    # the grid sweeps temperature × top_p: one exact reference per pair, run with the same seeds
+    grid = {sampling(row) for row in tuned}
+    assert grid == {(t, p) for t in (0.8, 1.2) for p in (0.8, 0.95)}
+    exact_rows = [row for row in data["rows"] if row["rule"] == "exact"]
+    assert sorted(map(sampling, exact_rows)) == sorted(grid)
+    for row in tuned + data["baselines"]:
+        ref = by_label[row["reference"]]
+        assert ref["rule"] == "exact" and ref["reference"] == ref["label"]
+        assert sampling(ref) == sampling(row)
+        assert len(ref["sequence_nll"]) == len(row["sequence_nll"]) == 2
+        assert row["ppl_change_vs_exact"] == pytest.approx(
+            row["perplexity"] / ref["perplexity"] - 1)
+    assert sorted(map(sampling, data["baselines"])) == sorted(grid)
+    assert set(data["frontier"]) <= set(by_label)
+    best = data["best_within_budget"]
+    assert best is None or (best["rule"] == "dynamic" and best["within_budget"])
+    heldout = data["heldout_text_perplexity"]
+    assert math.isfinite(heldout) and heldout > 1.0
 
 
 @needs_demo
