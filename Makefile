@@ -25,11 +25,12 @@ $(TRITON): | $(STAMP)
 serve-deps: $(TRITON)
 
 # The main job on the CPU: build the demo ONNX engines, start Triton with them, stream one
-# completion over gRPC, print the stats, stop the server.
+# completion over gRPC, print the stats, stop the server. The server takes its slot count
+# from the engines' max_batch_size: 16, as many as `paradraft loadtest` runs at once.
 ENGINES := engines/demo
 
 $(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors) build/onnx.py
-	$(BIN)/paradraft build --backend onnx --out $(ENGINES)
+	$(BIN)/paradraft build --backend onnx --max-batch-size 16 --out $(ENGINES)
 
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
 	$(BIN)/paradraft demo --engines $(ENGINES) --prompt "def fibonacci(n):" --max-tokens 64

@@ -129,11 +129,12 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     return verifier, drafters[args.drafter]
 
 
-def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int) -> None:
+def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int,
+                        labels: tuple[str, str, str] = (
+                            "batch size", "prompt length + max_new_tokens", "k")) -> None:
     limits = manifest["limits"]
-    for label, name, value in [("batch size", "max_batch_size", batch_size),
-                               ("prompt length + max_new_tokens", "max_seq_len", seq_len),
-                               ("k", "max_k", k)]:
+    for label, name, value in zip(labels, ("max_batch_size", "max_seq_len", "max_k"),
+                                  (batch_size, seq_len, k), strict=True):
         if value > limits[name]:
             raise ValueError(f"{label} must be <= {limits[name]} (the engines' {name}); "
                              f"got {value}")
@@ -432,19 +433,36 @@ def schedule_arg(text: str) -> dict[int, int] | str:
 
 
 def serve_config(args: argparse.Namespace):
+    """The server's settings. With ``--engines`` the manifest supplies what the options leave
+    unset (slots, sequence length, rule and sampling defaults) and bounds what they set."""
     from .serve import ServeConfig
 
     verifier = args.verifier
-    eos = load_model_config_eos(verifier) if not args.engines else json.loads(
-        (Path(args.engines) / "manifest.json").read_text())["models"]["verifier"]["config"][
-        "eos_token_id"]
+    if args.engines:
+        from paradraft.build.manifest import read_manifest
+
+        manifest = read_manifest(args.engines, verify=False)  # the server process verifies
+        limits, defaults = manifest["limits"], dict(manifest["rule_defaults"])
+        max_slots = limits["max_batch_size"] if args.max_slots is None else args.max_slots
+        max_seq_len = limits["max_seq_len"] if args.max_seq_len is None else args.max_seq_len
+        check_engine_limits(manifest, max_slots, max_seq_len, args.k,
+                            ("max_slots", "max_seq_len", "k"))
+        eos = manifest["models"]["verifier"]["config"]["eos_token_id"]
+    else:
+        defaults = {}
+        max_slots = 16 if args.max_slots is None else args.max_slots
+        max_seq_len = 512 if args.max_seq_len is None else args.max_seq_len
+        eos = load_model_config_eos(verifier)
+    manifest_rule = defaults.pop("rule", "greedy")
+    rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
+    temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
     draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
                                           else "draft"))
     return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
-                       engines=args.engines, k=args.k, max_slots=args.max_slots,
-                       max_queue=args.max_queue, max_seq_len=args.max_seq_len,
-                       max_input_tokens=args.max_seq_len - 1, rule=args.rule,
-                       eos_token_id=eos,
+                       engines=args.engines, k=args.k, max_slots=max_slots,
+                       max_queue=args.max_queue, max_seq_len=max_seq_len,
+                       max_input_tokens=max_seq_len - 1, rule=rule, temperature=temperature,
+                       top_p=top_p, rule_defaults=defaults, eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
                        draft_len_schedule=args.draft_len_schedule,
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
@@ -457,9 +475,19 @@ def load_model_config_eos(model_dir: str) -> int | None:
     return load_config(model_dir).eos_token_id
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as SIGINT does, so the ``finally`` that stops
+    tritonserver runs for both; tritonserver has its own session and never sees them."""
     import signal
-    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import time
 
     from .serve import start_server
 
@@ -467,18 +495,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
     if not Path(tokenizer).is_file():
         raise FileNotFoundError(f"missing {tokenizer}")
-    server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
-                          http_port=args.http_port, metrics_port=args.metrics_port,
-                          workdir=args.workdir)
+    interrupt_on_sigterm()
+    try:  # start_server stops the process itself if interrupted before it is ready
+        server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
+                              http_port=args.http_port, metrics_port=args.metrics_port,
+                              workdir=args.workdir)
+    except KeyboardInterrupt:
+        print("paradraft: interrupted before tritonserver was ready; stopped it", flush=True)
+        return
     print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
           f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}/metrics"
           f" (log {server.log})", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set() and server.process.poll() is None:
-        stop.wait(0.5)
-    code = server.stop()
+    try:
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
     print(f"paradraft: tritonserver stopped ({code})", flush=True)
 
 
@@ -496,6 +530,7 @@ def own_server(args: argparse.Namespace):
 
     config = serve_config(args)
     tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
+    interrupt_on_sigterm()  # the caller's `finally` stops the server
     print("paradraft: starting tritonserver ...", file=sys.stderr, flush=True)
     return start_server(config, tokenizer, grpc_port=free_port(), http_port=free_port(),
                         metrics_port=free_port())
@@ -547,7 +582,7 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     data = write_outputs(results, Path(args.out), {
         "url": url, "requests_per_level": args.requests, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "engines": args.engines,
-        "max_slots": args.max_slots, "k": args.k, "drafter": args.drafter,
+        "max_slots": serve_config(args).max_slots, "k": args.k, "drafter": args.drafter,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
         "draft_len_schedule": args.draft_len_schedule, "stream_interval": args.stream_interval})
     print_results(results)
@@ -650,10 +685,14 @@ def main(argv: list[str] | None = None) -> None:
         add_draft_threads_arg(s)
         add_acceptance_floor_arg(s)
         s.add_argument("--k", type=int, default=4)
-        s.add_argument("--rule", choices=RULES, default="greedy", help="default rule")
-        s.add_argument("--max-slots", type=int, default=16, help="KV-cache slots (batch)")
+        s.add_argument("--rule", choices=RULES, default=None,
+                       help="default rule (default: the engines' manifest, else greedy)")
+        s.add_argument("--max-slots", type=int, default=None,
+                       help="KV-cache slots, the batch (default: the engines' max_batch_size, "
+                       "else 16)")
         s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
-        s.add_argument("--max-seq-len", type=int, default=512)
+        s.add_argument("--max-seq-len", type=int, default=None,
+                       help="default: the engines' max_seq_len, else 512")
         s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                        metavar="N", help="rounds with >= N running requests decode without "
                        "drafts (a saturated device gains nothing from speculation)")

@@ -337,19 +337,22 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
     server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log)
     deadline = time.monotonic() + ready_timeout
     url = f"http://{host}:{http_port}/v2/health/ready"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with {process.returncode}; log {log}:\n"
-                               + log.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {process.returncode}; log "
+                                   f"{log}:\n" + log.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return server
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
+    except BaseException:  # a timeout, or Ctrl-C / SIGTERM while waiting: no orphan server
+        server.stop()
+        raise
 
 
 # -- the client ------------------------------------------------------------------------

@@ -345,12 +345,15 @@ def test_http_generate_stream_endpoint(server):
 def test_custom_metrics_move(server):
     srv, _ = server
     before = metrics(srv)
-    serve.complete(srv.grpc_url, "def metric_test():", 16)
+    done = serve.complete(srv.grpc_url, "def metric_test():", 32)
     after = metrics(srv)
     for name in ("paradraft_draft_tokens_total", "paradraft_accepted_tokens_total",
                  "paradraft_requests_total", "paradraft_acceptance_length_count"):
         assert after[name] > before.get(name, 0), name
-    assert "paradraft_rollbacks_total" in after and "paradraft_queue_depth" in after
+    # a round that rejected a draft rolled back (this greedy request has such rounds)
+    assert done.total_accepted_draft_tokens < done.total_draft_tokens
+    assert after["paradraft_rollbacks_total"] > before.get("paradraft_rollbacks_total", 0)
+    assert "paradraft_queue_depth" in after
     assert after["paradraft_active_sequences"] == 0
 
 
@@ -369,3 +372,88 @@ def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
     ratios = [results[i + 1].tokens_per_second / results[i].tokens_per_second for i in (0, 2)]
     assert data["summary"]["c2_vs_c1_per_repeat"] == pytest.approx(ratios)
     assert (tmp_path / "loadtest.png").stat().st_size > 0
+
+
+def tritonservers_in(workdir: Path) -> list[int]:
+    """pids of tritonserver processes started with a model repository under ``workdir``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "tritonserver" in cmdline and str(workdir) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def start_serve_command(workdir: Path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "paradraft.runtime.cli", "serve",
+           "--verifier", str(MODELS / "verifier"), "--draft", str(MODELS / "draft"),
+           "--max-slots", "2", "--max-seq-len", "128", "--grpc-port", str(free_port()),
+           "--http-port", str(free_port()), "--metrics-port", str(free_port()),
+           "--workdir", str(workdir)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_serve_command_leaves_no_tritonserver_after_sigterm(tmp_path, when):
+    """`paradraft serve` as users run it: SIGTERM while it waits for readiness, or once it
+    serves, stops its tritonserver (which runs in its own session and never sees the
+    signal) and exits cleanly."""
+    import signal
+
+    proc = start_serve_command(tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        if when == "starting":
+            while not tritonservers_in(tmp_path) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.05)
+        else:
+            line = ""
+            while "Triton ready" not in line and time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                assert line or proc.poll() is None, "serve exited before it was ready"
+        assert tritonservers_in(tmp_path), "no tritonserver was started"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert ("interrupted before tritonserver was ready" if when == "starting"
+            else "tritonserver stopped (0)") in out
+    time.sleep(0.5)  # the kernel reaps the stopped server
+    assert tritonservers_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_postprocessing_streams_multibyte_characters_whole(server, step):
+    """Byte-level BPE splits é, — and 日本語 across tokens; streamed through the real
+    postprocessing model ``step`` tokens per response, each character comes out whole and
+    once, and the pieces join up to the full text."""
+    srv, config = server
+    tok = load_tokenizer(config.verifier)
+    text = "naïve café — 日本語 ✓ ok"
+    ids = tok.encode(text).ids
+    ends = [*range(step, len(ids), step), len(ids)]
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    pieces, prev = [], 0
+    try:
+        for end in ends:
+            inputs = [tensor("output_ids", ids[:end], "INT32", np.int32, (1, end)),
+                      tensor("prev_length", prev, "INT32", np.int32),
+                      tensor("is_final", end == len(ids), "BOOL", np.bool_)]
+            out = client.infer("postprocessing", inputs).as_numpy("text_output")
+            pieces.append(out.reshape(-1)[0].decode())
+            prev = end
+    finally:
+        client.close()
+    # responses that end inside a character: it must be held back, not sent as U+FFFD
+    assert any(tok.decode(ids[:end]).endswith("\ufffd") for end in ends[:-1])
+    assert all("\ufffd" not in p for p in pieces), pieces
+    assert "".join(pieces) == text
