@@ -45,7 +45,21 @@ class Request:
     seed: int = 0
     eos_token_id: int | None = None
     is_cancelled: Callable[[], bool] = lambda: False
+    # token sequences that end the request once the output contains one (TensorRT-LLM's
+    # stop_words: the output keeps the stop sequence)
+    stop_sequences: list[list[int]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
+    recent: list[int] = field(default_factory=list)  # output tail a stop sequence may start in
+
+
+def stop_cut(recent: list[int], new: list[int], stop_sequences: list[list[int]]) -> int | None:
+    """How many of the ``new`` tokens to keep when the earliest stop sequence ends among
+    them (``recent``: the output just before them), else None."""
+    text = recent + new
+    for end in range(len(recent) + 1, len(text) + 1):
+        if any(text[max(end - len(stop), 0): end] == stop for stop in stop_sequences):
+            return end - len(recent)
+    return None
 
 
 class Scheduler:
@@ -156,6 +170,12 @@ class Scheduler:
         for slot, tokens, running in zip(slots, new, alive, strict=True):
             req = self.running[slot]
             try:
+                if req.stop_sequences and tokens:
+                    keep = stop_cut(req.recent, tokens, req.stop_sequences)
+                    if keep is not None:  # the tokens after the stop sequence never go out
+                        tokens, running = tokens[:keep], False
+                    tail = max(map(len, req.stop_sequences)) - 1
+                    req.recent = (req.recent + tokens)[-tail:] if tail else []
                 if tokens:
                     req.on_tokens(tokens)
                 if not running:

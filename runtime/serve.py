@@ -10,6 +10,7 @@ Triton Python model in ``triton_repo/paradraft/1/model.py`` is a thin adapter ar
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -138,6 +139,30 @@ class ParsedRequest:
     seed: int
     eos_token_id: int | None
     stream: bool
+    stop_sequences: list[list[int]]
+
+
+# TensorRT-LLM ensemble inputs that change nothing at these values, which its clients send
+# by default: accepted so those clients work unchanged, anything else refused by name
+NEUTRAL_INPUTS = {
+    "beam_width": (int, {1}, "1 (no beam search)"),
+    "top_k": (int, {0, 1}, "0 (off) or 1 (greedy)"),
+    "min_length": (int, {0, 1}, "0 or 1"),
+    "repetition_penalty": (float, {1.0}, "1.0"),
+    "presence_penalty": (float, {0.0}, "0.0"),
+    "frequency_penalty": (float, {0.0}, "0.0"),
+    "exclude_input_in_output": (bool, {True}, "true (text_output is the generated text only)"),
+    "return_log_probs": (bool, {False}, "false"),
+    "return_context_logits": (bool, {False}, "false"),
+    "return_generation_logits": (bool, {False}, "false"),
+}
+IGNORED_INPUTS = {"pad_id": int, "length_penalty": float}  # no padding, no beams here
+MAX_STOP_WORDS, MAX_STOP_WORD_TOKENS = 16, 32
+# every input of the paradraft model that parse_request reads (triton_repo/paradraft)
+REQUEST_INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
+                  "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha",
+                  "epsilon", "delta", "stop_words_ids", "stop_words_lengths",
+                  *NEUTRAL_INPUTS, *IGNORED_INPUTS)
 
 
 def scalar(inputs: dict[str, np.ndarray], name: str, kind: type):
@@ -177,6 +202,14 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
     rule = scalar(inputs, "correction_rule", str)
     temperature = scalar(inputs, "temperature", float)
     top_p = scalar(inputs, "top_p", float)
+    for name, (kind, allowed, text) in NEUTRAL_INPUTS.items():
+        value = scalar(inputs, name, kind)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be {text} on paradraft; got {value}")
+    for name, kind in IGNORED_INPUTS.items():
+        scalar(inputs, name, kind)  # the type is still checked
+    if rule is None and scalar(inputs, "top_k", int) == 1:
+        rule = "greedy"  # TensorRT-LLM's clients ask for greedy decoding with top_k 1
     if rule is None:
         # sampling parameters without a rule ask for sampling: use the lossless rule
         rule = "exact" if (temperature is not None or top_p is not None) else config.rule
@@ -200,7 +233,22 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
     stream = scalar(inputs, "stream", bool)
     return ParsedRequest(prompt, max_tokens, params, k, 0 if seed is None else seed % 2**63,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
-                         bool(stream))
+                         bool(stream), stop_sequences(inputs))
+
+
+def stop_sequences(inputs: dict[str, np.ndarray]) -> list[list[int]]:
+    """The stop words' token ids, as preprocessing sends them: all ids in one flat tensor
+    (``stop_words_ids``) and each word's length (``stop_words_lengths``)."""
+    ids = np.asarray(inputs.get("stop_words_ids", [])).reshape(-1).tolist()
+    lengths = np.asarray(inputs.get("stop_words_lengths", [])).reshape(-1).tolist()
+    if len(lengths) > MAX_STOP_WORDS:
+        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words; "
+                         f"got {len(lengths)}")
+    if any(not 1 <= n <= MAX_STOP_WORD_TOKENS for n in lengths) or sum(lengths) != len(ids):
+        raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} tokens "
+                         f"(stop_words_lengths {lengths} for {len(ids)} stop_words_ids)")
+    starts = np.cumsum([0, *lengths]).tolist()
+    return [ids[a:b] for a, b in itertools.pairwise(starts)]
 
 
 def eos_or_none(end_id: int) -> int | None:

@@ -199,3 +199,36 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     # checkpoints: the documented defaults
     config = serve_config(serve_args())
     assert (config.max_slots, config.max_seq_len, config.rule) == (16, 512, "greedy")
+
+
+def test_stop_cut_finds_the_earliest_stop_sequence_across_rounds():
+    from paradraft.runtime.scheduler import stop_cut
+
+    stops = [[7, 8, 9], [5]]
+    assert stop_cut([], [1, 2, 3], stops) is None
+    assert stop_cut([], [1, 5, 7, 8, 9], stops) == 2  # [5] ends first
+    assert stop_cut([7, 8], [9, 5], stops) == 1  # started in an earlier round
+    assert stop_cut([8], [9, 1], stops) is None  # [8, 9] alone is not [7, 8, 9]
+
+
+def test_a_stop_sequence_ends_the_request_with_the_output_up_to_it(models):
+    """Greedy with a stop sequence taken from the request's own solo output: the output is
+    that output up to and including the stop sequence's first occurrence, the slot frees."""
+    verifier, draft = models
+    greedy = RuleParams("greedy")
+    solo = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=4, max_batch_size=1,
+                              max_seq_len=64)
+    prompt = [5, 6, 7, 8]
+    full = solo.generate([prompt], 40).token_ids[0]
+    stop = full[20:22]
+    first_end = next(i + 2 for i in range(len(full) - 1) if full[i: i + 2] == stop)
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=4, max_batch_size=2,
+                             max_seq_len=64)
+    sched = Scheduler(dec)
+    try:
+        out, done, result = collect(sched, prompt, 40, greedy, stop_sequences=[stop])
+        assert done.wait(60) and result["error"] is None
+        assert out == full[:first_end]
+        assert sched.stats() == {"active": 0, "queued": 0, "free_slots": 2}
+    finally:
+        sched.stop()

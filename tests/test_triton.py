@@ -283,6 +283,23 @@ HOSTILE = {
                                   ("max_tokens", 8, "INT32", np.int32),
                                   ("num_draft_tokens", 99, "INT32", np.int32)],
                                  "num_draft_tokens must be in"),
+    "beam search": ([("text_input", b"def f():", "BYTES", np.object_),
+                     ("max_tokens", 8, "INT32", np.int32), ("beam_width", 2, "INT32", np.int32)],
+                    "beam_width must be 1"),
+    "top_k 5": ([("text_input", b"def f():", "BYTES", np.object_),
+                 ("max_tokens", 8, "INT32", np.int32), ("top_k", 5, "INT32", np.int32)],
+                "top_k must be 0 (off) or 1"),
+    "prompt in output": ([("text_input", b"def f():", "BYTES", np.object_),
+                          ("max_tokens", 8, "INT32", np.int32),
+                          ("exclude_input_in_output", False, "BOOL", np.bool_)],
+                         "exclude_input_in_output must be true"),
+    "bad_words": ([("text_input", b"def f():", "BYTES", np.object_),
+                   ("max_tokens", 8, "INT32", np.int32),
+                   ("bad_words", [b"import"], "BYTES", np.object_, (1, 1))], "bad_words"),
+    "17 stop words": ([("text_input", b"def f():", "BYTES", np.object_),
+                       ("max_tokens", 8, "INT32", np.int32),
+                       ("stop_words", [b"w%d" % i for i in range(17)], "BYTES", np.object_,
+                        (1, 17))], "stop_words must hold at most 16"),
     "wrong dtype": ([("text_input", b"def f():", "BYTES", np.object_),
                      ("max_tokens", 8.0, "FP32", np.float32)], "max_tokens"),
     "missing max_tokens": ([("text_input", b"def f():", "BYTES", np.object_)], "max_tokens"),
@@ -457,3 +474,50 @@ def test_postprocessing_streams_multibyte_characters_whole(server, step):
     assert any(tok.decode(ids[:end]).endswith("\ufffd") for end in ends[:-1])
     assert all("\ufffd" not in p for p in pieces), pieces
     assert "".join(pieces) == text
+
+
+def test_stop_words_end_the_output_after_their_first_occurrence(server, local):
+    """A stop word taken from the greedy output: the output runs up to and including its
+    first occurrence (TensorRT-LLM keeps the stop word), streamed or not."""
+    srv, config = server
+    tok = load_tokenizer(config.verifier)
+    prompt = "def fibonacci(n):"
+    full = local(prompt, 48)
+    ids = tok.encode(full).ids
+    # a token in the middle whose text tokenises back to itself alone
+    stop = next(t for t in ids[10:] if tok.encode(tok.decode([t])).ids == [t]
+                and tok.decode([t]).strip())
+    word = tok.decode([stop])
+    want = tok.decode(ids[: ids.index(stop) + 1])
+    assert len(want) < len(full)
+    for stream in (False, True):
+        inputs = serve.request_inputs(prompt, 48, stream)
+        inputs.append(tensor("stop_words", [word.encode(), b""], "BYTES", np.object_, (1, 2)))
+        responses, error = raw_stream(srv.grpc_url, inputs)
+        assert error is None, error
+        texts = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses]
+        assert "".join(texts) == want, (stream, word)
+
+
+def test_tensorrt_llm_client_defaults_are_accepted(server, local):
+    """What TensorRT-LLM's example clients send by default changes nothing: top_k 1 means
+    greedy, empty bad/stop words mean none."""
+    srv, _ = server
+    prompt = "class Parser:"
+    inputs = [*serve.request_inputs(prompt, 24, False),
+              tensor("bad_words", [b""], "BYTES", np.object_, (1, 1)),
+              tensor("stop_words", [b""], "BYTES", np.object_, (1, 1)),
+              tensor("top_k", 1, "INT32", np.int32), tensor("beam_width", 1, "INT32", np.int32),
+              tensor("pad_id", 1, "INT32", np.int32), tensor("min_length", 1, "INT32", np.int32),
+              tensor("temperature", 0.7, "FP32", np.float32),  # top_k 1 wins: greedy
+              tensor("repetition_penalty", 1.0, "FP32", np.float32),
+              tensor("presence_penalty", 0.0, "FP32", np.float32),
+              tensor("frequency_penalty", 0.0, "FP32", np.float32),
+              tensor("length_penalty", 1.0, "FP32", np.float32),
+              tensor("exclude_input_in_output", True, "BOOL", np.bool_),
+              tensor("return_log_probs", False, "BOOL", np.bool_),
+              tensor("return_context_logits", False, "BOOL", np.bool_),
+              tensor("return_generation_logits", False, "BOOL", np.bool_)]
+    responses, error = raw_stream(srv.grpc_url, inputs)
+    assert error is None, error
+    assert responses[-1].as_numpy("text_output").reshape(-1)[0].decode() == local(prompt, 24)

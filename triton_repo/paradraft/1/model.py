@@ -16,9 +16,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
-          "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha", "epsilon",
-          "delta")
 LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 17.0]
 
 
@@ -119,7 +116,7 @@ class TritonPythonModel:
                     self.stop(request.request_id(), sender)
                     continue
                 inputs = {}
-                for name in INPUTS:
+                for name in self.serve.REQUEST_INPUTS:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -210,7 +207,8 @@ class TritonPythonModel:
         return self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                             on_done, num_draft_tokens=parsed.num_draft_tokens,
                             seed=parsed.seed, eos_token_id=parsed.eos_token_id,
-                            is_cancelled=lambda: stopped[0] or sender.is_cancelled())
+                            is_cancelled=lambda: stopped[0] or sender.is_cancelled(),
+                            stop_sequences=parsed.stop_sequences)
 
     def finalize(self):
         self.scheduler.stop()

@@ -1,4 +1,6 @@
-"""Triton Python model: text_input (UTF-8) -> input_ids with the engine's tokenizer."""
+"""Triton Python model: text_input (UTF-8) -> input_ids with the engine's tokenizer, and
+TensorRT-LLM's stop_words -> their token ids (bad_words: refused unless empty; empty strings,
+which TensorRT-LLM's clients send by default, mean none)."""
 
 import json
 import site
@@ -41,6 +43,27 @@ class TritonPythonModel:
             raise ValueError(f"text_input is {len(ids)} tokens; allowed 1..{self.max_input_tokens}")
         return ids
 
+    def words(self, request, name):
+        """The non-empty strings of an optional list input."""
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return []
+        words = []
+        for raw in tensor.as_numpy().reshape(-1):
+            try:
+                word = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{name}: not valid UTF-8 ({e.reason})") from None
+            if word:
+                words.append(word)
+        return words
+
+    def stop_words(self, request):
+        if self.words(request, "bad_words"):
+            raise ValueError("bad_words: not supported by paradraft (send none or empty)")
+        ids = [self.tokenizer.encode(w).ids for w in self.words(request, "stop_words")]
+        return [i for word in ids for i in word], [len(word) for word in ids]
+
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -50,8 +73,15 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(f"text_input: {e}")))
                 continue
+            try:
+                stop_ids, stop_lengths = self.stop_words(request)
+            except ValueError as e:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
                 pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
+                pb_utils.Tensor("stop_words_ids", np.array([stop_ids], dtype=np.int32)),
+                pb_utils.Tensor("stop_words_lengths", np.array([stop_lengths], dtype=np.int32)),
             ]))
         return responses
