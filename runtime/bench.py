@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .correction import RuleParams
+from .correction import RULES, RuleParams
 from .model import Transformer
 from .speculative import Drafter, SpeculativeDecoder, aggregate, analytic_length
 
@@ -166,7 +166,8 @@ def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
 def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool
          ) -> list[BenchRow]:
     """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
-    K=4 for sampling; per drafter also the goodput policy (K chosen per round, up to 4)."""
+    K=4 for sampling with every sampling rule (exact and the lossy ones, their default
+    parameters); per drafter also the goodput policy (K chosen per round, up to 4)."""
     rows: list[BenchRow] = []
     k_default = 4 if 4 in ks else ks[len(ks) // 2]
     for bs in batch_sizes:
@@ -178,6 +179,9 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
             sweep = (ks if bs == batch_sizes[0] else [k for k in ks if k <= k_default]
                      ) if not sampling else [k_default]
             rows += [BenchRow("ours", d, rule, k, bs, sampling) for d in drafters for k in sweep]
+            if sampling:  # the lossy rules, against the same exact-sampling baseline
+                rows += [BenchRow("ours", d, lossy, k_default, bs, True) for d in drafters
+                         for lossy in RULES if lossy not in ("exact", "greedy")]
             if not sampling:
                 rows += [BenchRow("ours", d, rule, k_default, bs, sampling, schedule="auto")
                          for d in drafters]

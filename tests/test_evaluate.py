@@ -182,6 +182,11 @@ def test_bench_end_to_end_writes_well_formed_json(tmp_path):
             assert 1.0 <= row["mean_acceptance_length"] <= row["k"] + 1
             assert len(row["per_position_acceptance"]) == row["k"]
             assert 0.0 <= row["mean_k"] <= row["k"]
+    # sampling: every drafter with every sampling rule at the first batch size, K=2 here
+    sampled = {(r["variant"], r["rule"]) for r in data["rows"] if r["sampling"]
+               and r["variant"] != "baseline"}
+    assert sampled == {(d, rule) for d in ("model", "parallel", "self")
+                       for rule in ("exact", "threshold", "ratio", "dynamic", "typical")}
     # the goodput policy runs once per drafter and batch size, next to the fixed-K rows
     auto = [(r["variant"], r["batch_size"]) for r in data["rows"] if r["schedule"] == "auto"]
     assert sorted(auto) == sorted((d, b) for d in ("model", "parallel", "self") for b in (1, 2))
