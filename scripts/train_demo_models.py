@@ -1103,6 +1103,14 @@ def fmt_int(x: object) -> str:
     return f"{x:,}" if isinstance(x, int) else str(x)
 
 
+def later_runs(m: dict) -> list[str]:
+    """The commands of the self-distillation runs after the first (``--stage all``) one, in
+    order, each once (a run trains both drafts)."""
+    runs = [r["command"] for r in m.get("selfdistill_rounds", [])
+            if "--stage selfdistill" in r.get("command", "")]
+    return list(dict.fromkeys(runs))
+
+
 def model_card(m: dict) -> str:
     corpus, tok = m.get("corpus", {}), m.get("tokenizer", {})
     lines = [
@@ -1117,7 +1125,17 @@ def model_card(m: dict) -> str:
         "",
         "```bash",
         m.get("command", "python scripts/train_demo_models.py --out models/demo --seed 0"),
+        *later_runs(m),
         "```",
+        "",
+        "Each stage stops on a wall-clock budget (`--*-minutes`), so how many steps fit depends "
+        "on the machine. To repeat the first command's step counts from the seed, add "
+        + " ".join(f"`--{flag}-steps {m[key]['steps']}`" for flag, key in (
+            ("verifier", "verifier"), ("draft", "draft"), ("parallel", "parallel_draft"))
+            if key in m and "steps" in m[key])
+        + ". The self-distillation runs split one budget between the two drafts. A run "
+        "recorded with another `--out` ran in a copy of the folder whose drafts then "
+        "replaced the shipped ones: repeat it with the first command's `--out`.",
         "",
         "## Corpus",
         "",
