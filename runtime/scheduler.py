@@ -4,12 +4,14 @@ Requests join the running batch between rounds (a batched prefill into free slot
 as soon as they finish or are cancelled; their slot is reused by the next request. Requests
 wait in a bounded queue: at most ``max_queue`` beyond the free slots (which the next round
 fills). A full queue refuses a request at once (``QueueFull``) instead of letting work pile
-up, also when slots are free but the waiting requests cannot take them yet (different
-parameters, below). One background thread owns the decoder.
+up. One background thread owns the decoder.
 
-A running batch shares one set of rule parameters (the decoder's correction is vectorised
-over rows with scalar parameters); a request whose parameters differ from the running batch
-waits until that batch drains, in arrival order. K (``num_draft_tokens``) is per request.
+The decoder's correction is vectorised over rows with one set of rule parameters, so the
+running requests form one group per parameter set (rule, temperature, top-p, rule
+parameters); each round steps every group in turn. A request never waits for another
+group to drain: with one parameter set (the usual case) a round is one batched step. Each
+group samples from its own generator, seeded by the request that started the group.
+K (``num_draft_tokens``) is per request.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Scheduler:
         self.lock = threading.Condition()
         self.stopping = False
         self.last_cancel_check = 0.0
-        self.generator = torch.Generator(device=decoder.device)
+        self.generators: dict[RuleParams, torch.Generator] = {}  # one per running group
         decoder.reset()
         self.thread = threading.Thread(target=self._loop, name="paradraft-scheduler",
                                        daemon=True)
@@ -112,21 +114,16 @@ class Scheduler:
     # -- the scheduler thread -----------------------------------------------------------
 
     def _admit(self) -> list[tuple[int, Request]]:
-        """Take queued requests that fit: free slots, same parameters as the running batch."""
+        """Take queued requests into free slots, in arrival order."""
         admitted, dropped = [], []
         with self.lock:
             while not self.queue and not self.running and not self.stopping:
                 self.lock.wait()
             while self.queue and self.free:
-                head = self.queue[0]
+                head = self.queue.popleft()
                 if head.is_cancelled():  # stopped while it waited: it never starts
-                    dropped.append(self.queue.popleft())
+                    dropped.append(head)
                     continue
-                current = (next(iter(self.running.values())).params if self.running
-                           else admitted[0][1].params if admitted else None)
-                if current is not None and head.params != current:
-                    break  # waits for the running batch to drain
-                self.queue.popleft()
                 admitted.append((self.free.pop(0), head))
         for req in dropped:  # outside the lock: the callback talks to the client
             req.on_done(None, None)
@@ -142,29 +139,45 @@ class Scheduler:
                 if admitted:
                     self._prefill(admitted)
                 self._drop_cancelled()
-                if self.running:
-                    slots = sorted(self.running)
-                    new, alive = self.decoder.step(slots, self.generator)
+                for params, slots in self._groups(self.running.items()):
+                    self._use(params)
+                    new, alive = self.decoder.step(slots, self.generators[params])
                     self._deliver(slots, new, alive)
+                # a group that emptied seeds afresh from the next request that starts it
+                live = {req.params for req in self.running.values()}
+                for params in [p for p in self.generators if p not in live]:
+                    del self.generators[params]
             except Exception as e:  # a failing round fails its requests, not the server
                 self._fail_all(e)
 
+    @staticmethod
+    def _groups(slot_requests) -> list[tuple[RuleParams, list[int]]]:
+        """(parameters, their slots in order), groups in order of their first slot."""
+        groups: dict[RuleParams, list[int]] = {}
+        for slot, req in sorted(slot_requests, key=lambda item: item[0]):
+            groups.setdefault(req.params, []).append(slot)
+        return list(groups.items())
+
+    def _use(self, params: RuleParams) -> None:
+        self.decoder.params = params
+        self.decoder.draft_sampling = params.rule == "exact"
+
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
-        first = admitted[0][1]
-        if not self.running:  # a new batch: its parameters and seed come from its first request
-            self.decoder.params = first.params
-            self.decoder.draft_sampling = first.params.rule == "exact"
-            self.generator.manual_seed(first.seed)
-        slots = [s for s, _ in admitted]
-        reqs = [r for _, r in admitted]
+        by_slot = dict(admitted)
         width = max(self.decoder.k, 1)
-        new, alive = self.decoder.prefill(
-            slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-            [r.eos_token_id for r in reqs], self.generator,
-            [r.num_draft_tokens or width for r in reqs])
-        for slot, req in admitted:
-            self.running[slot] = req
-        self._deliver(slots, new, alive)
+        for params, slots in self._groups(admitted):
+            reqs = [by_slot[s] for s in slots]
+            if params not in self.generators:  # a new group: seeded by its first request
+                self.generators[params] = torch.Generator(device=self.decoder.device)
+                self.generators[params].manual_seed(reqs[0].seed)
+            self._use(params)
+            new, alive = self.decoder.prefill(
+                slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
+                [r.eos_token_id for r in reqs], self.generators[params],
+                [r.num_draft_tokens or width for r in reqs])
+            for slot, req in zip(slots, reqs, strict=True):
+                self.running[slot] = req
+            self._deliver(slots, new, alive)
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
         for slot, tokens, running in zip(slots, new, alive, strict=True):

@@ -3,6 +3,7 @@
 import argparse
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -91,9 +92,10 @@ def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
         sched.stop()
 
 
-def test_the_queue_stays_bounded_while_waiting_requests_cannot_take_free_slots(models):
-    """Requests whose parameters differ from the running batch wait even with slots free;
-    they count against the bound (max_queue + free slots) and the rest are refused."""
+def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
+    """While the scheduler thread is busy (here: held inside a request's callback), requests
+    queue even with slots free; they count against the bound (max_queue + free slots), the
+    rest are refused, and the queued ones all finish afterwards."""
     verifier, draft = models
     dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
                              max_batch_size=3, max_seq_len=64)
@@ -230,5 +232,38 @@ def test_a_stop_sequence_ends_the_request_with_the_output_up_to_it(models):
         assert done.wait(60) and result["error"] is None
         assert out == full[:first_end]
         assert sched.stats() == {"active": 0, "queued": 0, "free_slots": 2}
+    finally:
+        sched.stop()
+
+
+def test_requests_with_different_parameters_run_side_by_side(models):
+    """A sampled request does not wait for a running greedy one to drain: it finishes first,
+    and each gets its solo output (the sampled one from its own seed)."""
+    verifier, draft = models
+    greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.8)
+    long_prompt, short_prompt = [5, 6, 7, 8], [9, 10, 11]
+
+    def solo(params, prompt, n, seed):
+        dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=4,
+                                 max_batch_size=1, max_seq_len=64)
+        return dec.generate([prompt], n, seed=seed).token_ids[0]
+
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=4, max_batch_size=4,
+                             max_seq_len=64)
+    sched = Scheduler(dec)
+    finished = []
+    try:
+        runs = [collect(sched, long_prompt, 50, greedy),
+                collect(sched, short_prompt, 8, sampled, seed=7)]
+        for name, (_, done, _) in zip(("greedy", "sampled"), runs, strict=True):
+            threading.Thread(target=lambda n=name, d=done: d.wait(60) and finished.append(n)
+                             ).start()
+        for _, done, result in runs:
+            assert done.wait(60) and result["error"] is None
+        time.sleep(0.1)
+        assert finished == ["sampled", "greedy"]
+        assert runs[0][0] == solo(greedy, long_prompt, 50, 0)
+        assert runs[1][0] == solo(sampled, short_prompt, 8, 7)
+        assert sched.generators == {}  # both groups ended
     finally:
         sched.stop()
