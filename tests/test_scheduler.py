@@ -103,7 +103,7 @@ def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
     greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.7)
     started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
 
-    def hold(tokens):  # the greedy batch keeps running until the test is done
+    def hold(tokens):  # blocks the scheduler thread until the test has filled the queue
         started.set()
         release.wait(60)
 
@@ -116,7 +116,7 @@ def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
         assert sched.stats() == {"active": 1, "queued": 4, "free_slots": 2}
         with pytest.raises(QueueFull, match=r"4 waiting: max_queue 2 \+ 2 free slots"):
             collect(sched, [5], 4, sampled)
-        cancelled.set()  # the greedy batch drains; the sampled requests run, none is lost
+        cancelled.set()  # the scheduler moves on; the queued requests run, none is lost
         release.set()
         assert done_first.wait(60)
         for out, done, result in waiting:
