@@ -303,6 +303,7 @@ HOSTILE = {
     "wrong dtype": ([("text_input", b"def f():", "BYTES", np.object_),
                      ("max_tokens", 8.0, "FP32", np.float32)], "max_tokens"),
     "missing max_tokens": ([("text_input", b"def f():", "BYTES", np.object_)], "max_tokens"),
+    "missing text_input": ([("max_tokens", 8, "INT32", np.int32)], "text_input"),
 }
 
 
@@ -521,3 +522,39 @@ def test_tensorrt_llm_client_defaults_are_accepted(server, local):
     responses, error = raw_stream(srv.grpc_url, inputs)
     assert error is None, error
     assert responses[-1].as_numpy("text_output").reshape(-1)[0].decode() == local(prompt, 24)
+
+
+@pytest.fixture(scope="module")
+def onnx_server(tmp_path_factory):
+    """A server on ONNX engines of the shipped models, as `make demo` runs one."""
+    pytest.importorskip("onnxruntime")
+    from paradraft.build.onnx import build_engines
+
+    engines = tmp_path_factory.mktemp("engines")
+    build_engines(MODELS / "verifier", engines, MODELS / "draft", max_batch_size=SLOTS,
+                  max_k=4, max_seq_len=MAX_SEQ)
+    config = serve.ServeConfig(
+        verifier=str(MODELS / "verifier"), draft=None, engines=str(engines), k=4,
+        max_slots=SLOTS, max_queue=8, max_seq_len=MAX_SEQ, max_input_tokens=256,
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_id)
+    srv = serve.start_server(config, str(engines / "tokenizer.json"), grpc_port=free_port(),
+                             http_port=free_port(), metrics_port=free_port(),
+                             workdir=tmp_path_factory.mktemp("triton_onnx"))
+    yield srv, config
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_server):
+    from paradraft.runtime.engines import load_engines
+
+    srv, config = onnx_server
+    verifier, drafters = load_engines(config.engines)[:2]
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=4,
+                             max_batch_size=1, max_seq_len=MAX_SEQ)
+    tok = load_tokenizer(config.engines)
+    for prompt in PROMPTS[:3]:
+        ids = dec.generate([tok.encode(prompt).ids], 24,
+                           eos_token_id=config.eos_token_id).token_ids[0]
+        got = serve.complete(srv.grpc_url, prompt, 24, stream=True)
+        assert got.text == "".join(got.chunks) == tok.decode(ids), prompt
+        assert len(got.chunks) > 1 and got.total_draft_tokens > 0
