@@ -599,7 +599,8 @@ def cmd_query(args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
     optional = dict(temperature=args.temperature, top_p=args.top_p, random_seed=args.seed,
-                    num_draft_tokens=args.num_draft_tokens, correction_rule=args.rule)
+                    num_draft_tokens=args.num_draft_tokens, correction_rule=args.rule,
+                    stop_words=args.stop_words)
     result = complete(args.url, args.prompt, args.max_tokens, stream=args.stream,
                       on_text=show, **optional)
     stats = {"acceptance_rate": result.acceptance_rate,
@@ -739,6 +740,8 @@ def main(argv: list[str] | None = None) -> None:
     q.add_argument("--top-p", type=float, default=None)
     q.add_argument("--seed", type=int, default=None)
     q.add_argument("--num-draft-tokens", type=int, default=None)
+    q.add_argument("--stop-word", action="append", default=None, dest="stop_words",
+                   help="end the completion once its tokens contain this word's (repeatable)")
     args = parser.parse_args(argv)
     commands = {
         "generate": cmd_generate, "build": cmd_build, "bench": cmd_bench,

@@ -468,6 +468,11 @@ def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
     for name, value in optional.items():
         if value is None:
             continue
+        if name == "stop_words":  # a list of strings: TensorRT-LLM's [1, words] tensor
+            words = grpcclient.InferInput(name, [1, len(value)], "BYTES")
+            words.set_data_from_numpy(np.array([[w.encode() for w in value]], dtype=np.object_))
+            inputs.append(words)
+            continue
         if name not in kinds:
             raise ValueError(f"unknown request parameter {name!r}")
         dtype, np_dtype = kinds[name]

@@ -492,12 +492,8 @@ def test_stop_words_end_the_output_after_their_first_occurrence(server, local):
     want = tok.decode(ids[: ids.index(stop) + 1])
     assert len(want) < len(full)
     for stream in (False, True):
-        inputs = serve.request_inputs(prompt, 48, stream)
-        inputs.append(tensor("stop_words", [word.encode(), b""], "BYTES", np.object_, (1, 2)))
-        responses, error = raw_stream(srv.grpc_url, inputs)
-        assert error is None, error
-        texts = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses]
-        assert "".join(texts) == want, (stream, word)
+        done = serve.complete(srv.grpc_url, prompt, 48, stream, stop_words=[word, ""])
+        assert done.text == "".join(done.chunks) == want, (stream, word)
 
 
 def test_tensorrt_llm_client_defaults_are_accepted(server, local):
