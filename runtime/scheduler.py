@@ -54,6 +54,12 @@ class Request:
     recent: list[int] = field(default_factory=list)  # output tail a stop sequence may start in
 
 
+def group_key(params: RuleParams) -> RuleParams:
+    """The parameters a group shares: greedy ignores temperature, top-p and the rule
+    parameters, so every greedy request joins one group."""
+    return RuleParams("greedy") if params.is_greedy else params
+
+
 def stop_cut(recent: list[int], new: list[int], stop_sequences: list[list[int]]) -> int | None:
     """How many of the ``new`` tokens to keep when the earliest stop sequence ends among
     them (``recent``: the output just before them), else None."""
@@ -87,6 +93,8 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Validate and enqueue; raises ValueError (bad request) or QueueFull."""
         self.decoder.check_request(request.prompt, request.max_new_tokens)
+        if any(not stop for stop in request.stop_sequences):
+            raise ValueError("stop_sequences must not contain an empty sequence")
         k = request.num_draft_tokens
         width = max(self.decoder.k, 1)
         if k is not None and (not isinstance(k, int) or not 1 <= k <= width):
@@ -139,23 +147,27 @@ class Scheduler:
                 if admitted:
                     self._prefill(admitted)
                 self._drop_cancelled()
-                for params, slots in self._groups(self.running.items()):
+                groups = self._groups(self.running.items())
+                # with several groups the round's K (schedule, disabling by batch size)
+                # follows everything running, not one group's share of it
+                k = self.decoder.round_k(sorted(self.running)) if len(groups) > 1 else None
+                for params, slots in groups:
                     self._use(params)
-                    new, alive = self.decoder.step(slots, self.generators[params])
+                    new, alive = self.decoder.step(slots, self.generators[params], k)
                     self._deliver(slots, new, alive)
-                # a group that emptied seeds afresh from the next request that starts it
-                live = {req.params for req in self.running.values()}
-                for params in [p for p in self.generators if p not in live]:
-                    del self.generators[params]
             except Exception as e:  # a failing round fails its requests, not the server
                 self._fail_all(e)
+            finally:  # a group that emptied seeds afresh from the next request starting it
+                live = {group_key(req.params) for req in self.running.values()}
+                for params in [p for p in self.generators if p not in live]:
+                    del self.generators[params]
 
     @staticmethod
     def _groups(slot_requests) -> list[tuple[RuleParams, list[int]]]:
         """(parameters, their slots in order), groups in order of their first slot."""
         groups: dict[RuleParams, list[int]] = {}
         for slot, req in sorted(slot_requests, key=lambda item: item[0]):
-            groups.setdefault(req.params, []).append(slot)
+            groups.setdefault(group_key(req.params), []).append(slot)
         return list(groups.items())
 
     def _use(self, params: RuleParams) -> None:
@@ -165,19 +177,32 @@ class Scheduler:
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         by_slot = dict(admitted)
         width = max(self.decoder.k, 1)
-        for params, slots in self._groups(admitted):
-            reqs = [by_slot[s] for s in slots]
-            if params not in self.generators:  # a new group: seeded by its first request
-                self.generators[params] = torch.Generator(device=self.decoder.device)
-                self.generators[params].manual_seed(reqs[0].seed)
-            self._use(params)
-            new, alive = self.decoder.prefill(
-                slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-                [r.eos_token_id for r in reqs], self.generators[params],
-                [r.num_draft_tokens or width for r in reqs])
-            for slot, req in zip(slots, reqs, strict=True):
-                self.running[slot] = req
-            self._deliver(slots, new, alive)
+        started: set[int] = set()
+        try:
+            for params, slots in self._groups(admitted):
+                reqs = [by_slot[s] for s in slots]
+                if params not in self.generators:  # a new group: seeded by its first request
+                    self.generators[params] = torch.Generator(device=self.decoder.device)
+                    self.generators[params].manual_seed(reqs[0].seed)
+                self._use(params)
+                new, alive = self.decoder.prefill(
+                    slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
+                    [r.eos_token_id for r in reqs], self.generators[params],
+                    [r.num_draft_tokens or width for r in reqs])
+                for slot, req in zip(slots, reqs, strict=True):
+                    self.running[slot] = req
+                started.update(slots)
+                self._deliver(slots, new, alive)
+        except Exception as e:
+            # admitted requests that never started: free their slots and tell them; the
+            # running ones fail in the caller
+            for slot, req in admitted:
+                if slot not in started:
+                    with self.lock:
+                        self.free.append(slot)
+                        self.free.sort()
+                    req.on_done(None, e)
+            raise
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
         for slot, tokens, running in zip(slots, new, alive, strict=True):

@@ -267,3 +267,85 @@ def test_requests_with_different_parameters_run_side_by_side(models):
         assert sched.generators == {}  # both groups ended
     finally:
         sched.stop()
+
+
+def test_a_failed_prefill_frees_every_slot_and_the_next_group_seeds_afresh(models):
+    """One group's prefill fails while another's succeeded in the same admission: every
+    request hears of it (none hangs), every slot comes back, and a later request with the
+    failed group's parameters samples from its own seed, as it would alone."""
+    verifier, draft = models
+    greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.8)
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), greedy, k=2, max_batch_size=4,
+                             max_seq_len=64)
+    real_prefill, failed = dec.prefill, []
+
+    def prefill(slots, *args, **kw):
+        if dec.params.rule == "exact" and not failed:
+            failed.append(slots)
+            raise RuntimeError("prefill broke")
+        return real_prefill(slots, *args, **kw)
+
+    dec.prefill = prefill
+    sched = Scheduler(dec)
+    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(tokens):  # holds the scheduler thread so that the next two are admitted together
+        started.set()
+        release.wait(60)
+
+    try:
+        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: None,
+                             is_cancelled=cancelled.is_set))
+        assert started.wait(60)
+        runs = [collect(sched, [3, 4], 20, greedy), collect(sched, [5, 6], 20, sampled, seed=3)]
+        cancelled.set()
+        release.set()
+        for _, done, _ in runs:
+            assert done.wait(60)
+        assert failed and "prefill broke" in str(runs[1][2]["error"])
+        time.sleep(0.1)
+        assert sched.stats() == {"active": 0, "queued": 0, "free_slots": 4}
+        out, done, result = collect(sched, [5, 6], 12, sampled, seed=3)
+        assert done.wait(60) and result["error"] is None
+        solo = SpeculativeDecoder(verifier, Drafter("model", draft), sampled, k=2,
+                                  max_batch_size=1, max_seq_len=64)
+        assert out == solo.generate([[5, 6]], 12, seed=3).token_ids[0]
+    finally:
+        sched.stop()
+
+
+def test_greedy_requests_share_a_group_and_groups_share_the_round_k(models):
+    """Greedy at two temperatures is one group (temperature means nothing to argmax); with a
+    sampled group beside it, disable_by_batch_size counts every running request."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=4, max_seq_len=64, disable_by_batch_size=3)
+    steps, real_step = [], dec.step
+
+    def step(slots, gen, k=None):
+        steps.append((dec.params.rule, len(slots), k))
+        return real_step(slots, gen, k)
+
+    dec.step = step
+    sched = Scheduler(dec)
+    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(tokens):  # holds the scheduler thread so that the next three start together
+        started.set()
+        release.wait(60)
+
+    try:
+        sched.submit(Request([7, 8], 60, RuleParams("greedy"), hold, lambda s, e: None,
+                             is_cancelled=cancelled.is_set))
+        assert started.wait(60)
+        runs = [collect(sched, [1, 2], 30, RuleParams("greedy", temperature=0.5)),
+                collect(sched, [3, 4], 30, RuleParams("greedy", temperature=1.3)),
+                collect(sched, [5, 6], 30, RuleParams("exact", temperature=0.8))]
+        cancelled.set()
+        release.set()
+        for _, done, result in runs:
+            assert done.wait(60) and result["error"] is None
+    finally:
+        sched.stop()
+    assert ("greedy", 2, 0) in steps  # both greedy requests in one step; 3 running: K 0
+    assert ("exact", 1, 0) in steps
