@@ -445,13 +445,15 @@ def serve_config(args: argparse.Namespace):
         limits, defaults = manifest["limits"], dict(manifest["rule_defaults"])
         max_slots = limits["max_batch_size"] if args.max_slots is None else args.max_slots
         max_seq_len = limits["max_seq_len"] if args.max_seq_len is None else args.max_seq_len
-        check_engine_limits(manifest, max_slots, max_seq_len, args.k,
+        k = min(4, limits["max_k"]) if args.k is None else args.k
+        check_engine_limits(manifest, max_slots, max_seq_len, k,
                             ("max_slots", "max_seq_len", "k"))
         eos = manifest["models"]["verifier"]["config"]["eos_token_id"]
     else:
         defaults = {}
         max_slots = 16 if args.max_slots is None else args.max_slots
         max_seq_len = 512 if args.max_seq_len is None else args.max_seq_len
+        k = 4 if args.k is None else args.k
         eos = load_model_config_eos(verifier)
     manifest_rule = defaults.pop("rule", "greedy")
     rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
@@ -459,7 +461,7 @@ def serve_config(args: argparse.Namespace):
     draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
                                           else "draft"))
     return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
-                       engines=args.engines, k=args.k, max_slots=max_slots,
+                       engines=args.engines, k=k, max_slots=max_slots,
                        max_queue=args.max_queue, max_seq_len=max_seq_len,
                        max_input_tokens=max_seq_len - 1, rule=rule, temperature=temperature,
                        top_p=top_p, rule_defaults=defaults, eos_token_id=eos,
@@ -571,6 +573,8 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {args.repeats}")
     prompts = [t[:200] for t in heldout_texts(args.heldout)]
+    # the settings of the server this run starts; a server at --url has its own
+    config = None if args.url else serve_config(args)
     server = None if args.url else own_server(args)
     url = args.url or server.grpc_url
     try:
@@ -582,7 +586,8 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     data = write_outputs(results, Path(args.out), {
         "url": url, "requests_per_level": args.requests, "repeats": args.repeats,
         "max_tokens": args.max_tokens, "engines": args.engines,
-        "max_slots": serve_config(args).max_slots, "k": args.k, "drafter": args.drafter,
+        "max_slots": config and config.max_slots, "k": config and config.k,
+        "drafter": args.drafter,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
         "draft_len_schedule": args.draft_len_schedule, "stream_interval": args.stream_interval})
     print_results(results)
@@ -685,7 +690,8 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
         add_draft_threads_arg(s)
         add_acceptance_floor_arg(s)
-        s.add_argument("--k", type=int, default=4)
+        s.add_argument("--k", type=int, default=None,
+                       help="draft tokens per round (default: 4, at most the engines' max_k)")
         s.add_argument("--rule", choices=RULES, default=None,
                        help="default rule (default: the engines' manifest, else greedy)")
         s.add_argument("--max-slots", type=int, default=None,

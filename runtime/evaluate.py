@@ -239,7 +239,10 @@ def tune_grid(rule: str) -> list[dict]:
 
 
 def frontier(rows: list[QualityRow]) -> list[QualityRow]:
-    """Settings not beaten on both speed-up and perplexity by another one."""
+    """Settings not beaten on both speed-up and perplexity change by another one. The change
+    is against exact sampling at each row's own temperature and top-p: absolute perplexity
+    would reward a low temperature, not the rule."""
     return [r for r in rows if not any(
-        o.speedup >= r.speedup and o.perplexity <= r.perplexity
-        and (o.speedup > r.speedup or o.perplexity < r.perplexity) for o in rows)]
+        o.speedup >= r.speedup and o.ppl_change_vs_exact <= r.ppl_change_vs_exact
+        and (o.speedup > r.speedup or o.ppl_change_vs_exact < r.ppl_change_vs_exact)
+        for o in rows)]

@@ -208,8 +208,11 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
             raise ValueError(f"{name} must be {text} on paradraft; got {value}")
     for name, kind in IGNORED_INPUTS.items():
         scalar(inputs, name, kind)  # the type is still checked
-    if rule is None and scalar(inputs, "top_k", int) == 1:
-        rule = "greedy"  # TensorRT-LLM's clients ask for greedy decoding with top_k 1
+    if scalar(inputs, "top_k", int) == 1:  # TensorRT-LLM's clients ask for greedy so
+        if rule not in (None, "greedy"):
+            raise ValueError(f"top_k 1 asks for greedy decoding; correction_rule {rule!r} "
+                             "samples (send one or the other)")
+        rule = "greedy"
     if rule is None:
         # sampling parameters without a rule ask for sampling: use the lossless rule
         rule = "exact" if (temperature is not None or top_p is not None) else config.rule
@@ -355,7 +358,7 @@ class Server:
             self.process.send_signal(signal.SIGINT)  # tritonserver drains and exits on SIGINT
             try:
                 self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except BaseException:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
@@ -383,9 +386,9 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
     process = subprocess.Popen(cmd, env=server_env(binary), stdout=log.open("w"),
                                stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log)
-    deadline = time.monotonic() + ready_timeout
     url = f"http://{host}:{http_port}/v2/health/ready"
     try:
+        deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; log "

@@ -74,11 +74,16 @@ def test_analytic_acceptance_length():
     assert analytic_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_frontier_keeps_only_undominated_settings():
-    def row(label, speed, ppl):
-        return QualityRow(label, "dynamic", {}, ppl, 0, 0, 0, 0, 0, 0, speedup=speed)
+def test_frontier_keeps_only_undominated_settings_by_perplexity_change():
+    def row(label, speed, ppl, change):
+        r = QualityRow(label, "dynamic", {}, ppl, 0, 0, 0, 0, 0, 0, speedup=speed)
+        r.ppl_change_vs_exact = change
+        return r
 
-    rows = [row("a", 2.0, 10.0), row("b", 1.5, 9.0), row("c", 1.4, 9.5), row("d", 2.0, 11.0)]
+    rows = [row("a", 2.0, 10.0, 0.05), row("b", 1.5, 9.0, 0.01), row("c", 1.4, 9.5, 0.02),
+            row("d", 2.0, 11.0, 0.08),
+            # the lowest perplexity, from a lower temperature, but the largest change
+            row("cold", 1.45, 5.0, 0.30)]
     assert [r.label for r in frontier(rows)] == ["a", "b"]
 
 

@@ -168,7 +168,7 @@ def serve_args(**overrides) -> argparse.Namespace:
     from paradraft.runtime.cli import DEMO_DIR
 
     options = dict(verifier=str(DEMO_DIR / "verifier"), draft=None, drafter="model", engines=None,
-                   k=4, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
+                   k=None, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
                    stream_interval=1, draft_threads=1, acceptance_floor=0.6)
     return argparse.Namespace(**{**options, **overrides})
@@ -180,11 +180,12 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     rule_defaults = dict(rule="dynamic", temperature=0.8, top_p=0.95, tau=0.2, gamma=1.0,
                          alpha=0.05, top_p_membership=False, epsilon=0.09, delta=0.3)
     (tmp_path / "manifest.json").write_text(json.dumps({
-        "format_version": 1, "limits": {"max_batch_size": 6, "max_k": 4, "max_seq_len": 256},
+        "format_version": 1, "limits": {"max_batch_size": 6, "max_k": 3, "max_seq_len": 256},
         "rule_defaults": rule_defaults,
         "models": {"verifier": {"config": {"eos_token_id": 0}}}}))
     config = serve_config(serve_args(engines=str(tmp_path)))
     assert (config.max_slots, config.max_seq_len, config.max_input_tokens) == (6, 256, 255)
+    assert config.k == 3  # 4 by default, but the engines hold fused drafts up to 3
     assert (config.rule, config.temperature, config.top_p) == ("dynamic", 0.8, 0.95)
     assert config.rule_defaults == dict(tau=0.2, gamma=1.0, alpha=0.05,
                                         top_p_membership=False, epsilon=0.09, delta=0.3)
@@ -194,13 +195,13 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     assert (config.rule, config.max_slots, config.rule_defaults["tau"]) == ("threshold", 3, 0.2)
     for overrides, message in [(dict(max_slots=8), r"max_slots must be <= 6"),
                                (dict(max_seq_len=512), r"max_seq_len must be <= 256"),
-                               (dict(k=5), r"k must be <= 4"),
+                               (dict(k=4), r"k must be <= 3"),
                                (dict(max_slots=0), r"max_slots must be an integer >= 1")]:
         with pytest.raises(ValueError, match=message):
             serve_config(serve_args(engines=str(tmp_path), **overrides))
     # checkpoints: the documented defaults
     config = serve_config(serve_args())
-    assert (config.max_slots, config.max_seq_len, config.rule) == (16, 512, "greedy")
+    assert (config.max_slots, config.max_seq_len, config.rule, config.k) == (16, 512, "greedy", 4)
 
 
 def test_stop_cut_finds_the_earliest_stop_sequence_across_rounds():

@@ -61,7 +61,9 @@ class TritonPythonModel:
     def stop_words(self, request):
         if self.words(request, "bad_words"):
             raise ValueError("bad_words: not supported by paradraft (send none or empty)")
-        ids = [self.tokenizer.encode(w).ids for w in self.words(request, "stop_words")]
+        # no BOS or other template tokens: the word must match generated tokens
+        ids = [self.tokenizer.encode(w, add_special_tokens=False).ids
+               for w in self.words(request, "stop_words")]
         return [i for word in ids for i in word], [len(word) for word in ids]
 
     def execute(self, requests):
