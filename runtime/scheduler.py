@@ -148,11 +148,14 @@ class Scheduler:
                     self._prefill(admitted)
                 self._drop_cancelled()
                 groups = self._groups(self.running.items())
-                # with several groups the round's K (schedule, disabling by batch size)
-                # follows everything running, not one group's share of it
-                k = self.decoder.round_k(sorted(self.running)) if len(groups) > 1 else None
+                # with several groups the schedule and disable_by_batch_size see everything
+                # running, not one group's share of it; each group still drafts at most its
+                # own rows' K (a wider round would draw other random numbers)
+                cap = self.decoder.round_k(sorted(self.running)) if len(groups) > 1 else None
                 for params, slots in groups:
                     self._use(params)
+                    k = None if cap is None else min(
+                        cap, max(self.decoder.host_k[s] for s in slots))
                     new, alive = self.decoder.step(slots, self.generators[params], k)
                     self._deliver(slots, new, alive)
             except Exception as e:  # a failing round fails its requests, not the server
@@ -201,7 +204,10 @@ class Scheduler:
                     with self.lock:
                         self.free.append(slot)
                         self.free.sort()
-                    req.on_done(None, e)
+                    try:
+                        req.on_done(None, e)
+                    except Exception:  # the others still hear of it
+                        log.exception("request callback failed")
             raise
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:

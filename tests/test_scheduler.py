@@ -239,13 +239,13 @@ def test_a_stop_sequence_ends_the_request_with_the_output_up_to_it(models):
 
 def test_requests_with_different_parameters_run_side_by_side(models):
     """A sampled request does not wait for a running greedy one to drain: it finishes first,
-    and each gets its solo output (the sampled one from its own seed)."""
+    and each gets its solo output (the sampled one from its own seed, at its own K)."""
     verifier, draft = models
     greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.8)
     long_prompt, short_prompt = [5, 6, 7, 8], [9, 10, 11]
 
-    def solo(params, prompt, n, seed):
-        dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=4,
+    def solo(params, prompt, n, seed, k):
+        dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=k,
                                  max_batch_size=1, max_seq_len=64)
         return dec.generate([prompt], n, seed=seed).token_ids[0]
 
@@ -255,7 +255,7 @@ def test_requests_with_different_parameters_run_side_by_side(models):
     finished = []
     try:
         runs = [collect(sched, long_prompt, 50, greedy),
-                collect(sched, short_prompt, 8, sampled, seed=7)]
+                collect(sched, short_prompt, 8, sampled, seed=7, num_draft_tokens=2)]
         for name, (_, done, _) in zip(("greedy", "sampled"), runs, strict=True):
             threading.Thread(target=lambda n=name, d=done: d.wait(60) and finished.append(n)
                              ).start()
@@ -263,8 +263,8 @@ def test_requests_with_different_parameters_run_side_by_side(models):
             assert done.wait(60) and result["error"] is None
         time.sleep(0.1)
         assert finished == ["sampled", "greedy"]
-        assert runs[0][0] == solo(greedy, long_prompt, 50, 0)
-        assert runs[1][0] == solo(sampled, short_prompt, 8, 7)
+        assert runs[0][0] == solo(greedy, long_prompt, 50, 0, 4)
+        assert runs[1][0] == solo(sampled, short_prompt, 8, 7, 2)
         assert sched.generators == {}  # both groups ended
     finally:
         sched.stop()
