@@ -526,11 +526,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_server(args: argparse.Namespace):
-    """Start a server on free local ports for demo / loadtest (stopped by the caller)."""
+def own_server(args: argparse.Namespace, config):
+    """Start a server with ``config`` (``serve_config(args)``) on free local ports for demo /
+    loadtest (stopped by the caller)."""
     from .serve import start_server
 
-    config = serve_config(args)
     tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
     interrupt_on_sigterm()  # the caller's `finally` stops the server
     print("paradraft: starting tritonserver ...", file=sys.stderr, flush=True)
@@ -541,7 +541,7 @@ def own_server(args: argparse.Namespace):
 def cmd_demo(args: argparse.Namespace) -> None:
     from .serve import complete
 
-    server = own_server(args)
+    server = own_server(args, serve_config(args))
     try:
         print(f"paradraft: Triton ready on {server.grpc_url}; streaming one completion over "
               f"gRPC\n", file=sys.stderr, flush=True)
@@ -575,7 +575,7 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     prompts = [t[:200] for t in heldout_texts(args.heldout)]
     # the settings of the server this run starts; a server at --url has its own
     config = None if args.url else serve_config(args)
-    server = None if args.url else own_server(args)
+    server = None if args.url else own_server(args, config)
     url = args.url or server.grpc_url
     try:
         results = run_loadtest(url, prompts, levels, args.requests, args.max_tokens,

@@ -201,9 +201,7 @@ class Scheduler:
             # running ones fail in the caller
             for slot, req in admitted:
                 if slot not in started:
-                    with self.lock:
-                        self.free.append(slot)
-                        self.free.sort()
+                    self._free_slot(slot)
                     try:
                         req.on_done(None, e)
                     except Exception:  # the others still hear of it
@@ -247,9 +245,12 @@ class Scheduler:
     def _release(self, slot: int) -> None:
         if slot in self.running:
             del self.running[slot]
-            with self.lock:
-                self.free.append(slot)
-                self.free.sort()
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        with self.lock:
+            self.free.append(slot)
+            self.free.sort()
 
     def _fail_all(self, error: BaseException) -> None:
         for slot, req in list(self.running.items()):

@@ -202,13 +202,14 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
     rule = scalar(inputs, "correction_rule", str)
     temperature = scalar(inputs, "temperature", float)
     top_p = scalar(inputs, "top_p", float)
-    for name, (kind, allowed, text) in NEUTRAL_INPUTS.items():
-        value = scalar(inputs, name, kind)
+    neutral = {name: scalar(inputs, name, kind) for name, (kind, _, _) in NEUTRAL_INPUTS.items()}
+    for name, value in neutral.items():
+        allowed, text = NEUTRAL_INPUTS[name][1:]
         if value is not None and value not in allowed:
             raise ValueError(f"{name} must be {text} on paradraft; got {value}")
     for name, kind in IGNORED_INPUTS.items():
         scalar(inputs, name, kind)  # the type is still checked
-    if scalar(inputs, "top_k", int) == 1:  # TensorRT-LLM's clients ask for greedy so
+    if neutral["top_k"] == 1:  # TensorRT-LLM's clients ask for greedy so
         if rule not in (None, "greedy"):
             raise ValueError(f"top_k 1 asks for greedy decoding; correction_rule {rule!r} "
                              "samples (send one or the other)")
