@@ -505,10 +505,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         print("paradraft: interrupted before tritonserver was ready; stopped it", flush=True)
         return
-    print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
-          f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}/metrics"
-          f" (log {server.log})", flush=True)
-    try:
+    try:  # the ready line is inside: a signal that lands while it prints still stops the server
+        print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
+              f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}"
+              f"/metrics (log {server.log})", flush=True)
         while server.process.poll() is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
