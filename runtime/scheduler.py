@@ -3,8 +3,9 @@
 Requests join the running batch between rounds (a batched prefill into free slots) and leave
 as soon as they finish or are cancelled; their slot is reused by the next request. Requests
 wait in a bounded queue: at most ``max_queue`` beyond the free slots (which the next round
-fills). A full queue refuses a request at once (``QueueFull``) instead of letting work pile
-up. One background thread owns the decoder.
+fills). A full queue first drops the requests cancelled while they waited, then refuses a
+request at once (``QueueFull``) instead of letting work pile up. One background thread owns
+the decoder.
 
 The decoder's correction is vectorised over rows with one set of rule parameters, so the
 running requests form one group per parameter set (rule, temperature, top-p, rule
@@ -99,14 +100,26 @@ class Scheduler:
         width = max(self.decoder.k, 1)
         if k is not None and (not isinstance(k, int) or not 1 <= k <= width):
             raise ValueError(f"num_draft_tokens must be an integer in [1, {width}]; got {k!r}")
+        dropped: list[Request] = []
         with self.lock:
             if self.stopping:
                 raise RuntimeError("scheduler is shutting down")
             if len(self.queue) >= self.max_queue + len(self.free):
-                raise QueueFull(f"queue full ({len(self.queue)} waiting: max_queue "
-                                f"{self.max_queue} + {len(self.free)} free slots); retry later")
-            self.queue.append(request)
-            self.lock.notify()
+                # requests cancelled while they waited give their places up now, not only
+                # when a slot frees: clients that gave up must not keep others out
+                dropped = [req for req in self.queue if req.is_cancelled()]
+                for req in dropped:
+                    self.queue.remove(req)
+            waiting, free_slots = len(self.queue), len(self.free)
+            limit = self.max_queue + free_slots
+            if waiting < limit:
+                self.queue.append(request)
+                self.lock.notify()
+        for req in dropped:  # outside the lock: the callback talks to the client
+            req.on_done(None, None)
+        if waiting >= limit:
+            raise QueueFull(f"queue full ({waiting} waiting: max_queue {self.max_queue} + "
+                            f"{free_slots} free slots); retry later")
 
     def stats(self) -> dict:
         with self.lock:

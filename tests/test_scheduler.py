@@ -92,6 +92,42 @@ def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
         sched.stop()
 
 
+def test_requests_cancelled_in_the_queue_give_their_places_to_new_ones(models):
+    """A full queue whose waiting requests were cancelled takes a new request: the cancelled
+    ones are told they ended (no tokens) at once, not when a slot frees, and the new one runs."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=1, max_seq_len=64)
+    sched = Scheduler(dec, max_queue=2)
+    greedy = RuleParams("greedy")
+    started, release, stop_first = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(tokens):  # keeps the only slot busy until the test releases it
+        started.set()
+        release.wait(60)
+
+    try:
+        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: None,
+                             is_cancelled=stop_first.is_set))
+        assert started.wait(60)
+        gave_up = threading.Event()
+        waiting = [collect(sched, [3, 4], 4, greedy, is_cancelled=gave_up.is_set)
+                   for _ in range(2)]
+        with pytest.raises(QueueFull, match="2 waiting: max_queue 2"):
+            collect(sched, [5], 4, greedy)
+        gave_up.set()
+        out, done, result = collect(sched, [5], 4, greedy)  # takes a cancelled one's place
+        for w_out, w_done, w_result in waiting:  # ended before any slot freed
+            assert w_done.is_set() and w_result == {"stats": None, "error": None}
+            assert w_out == []
+        assert sched.stats()["queued"] == 1
+        stop_first.set()
+        release.set()
+        assert done.wait(60) and result["error"] is None and len(out) == 4
+    finally:
+        sched.stop()
+
+
 def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
     """While the scheduler thread is busy (here: held inside a request's callback), requests
     queue even with slots free; they count against the bound (max_queue + free slots), the
