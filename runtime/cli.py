@@ -576,8 +576,8 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     # the settings of the server this run starts; a server at --url has its own
     config = None if args.url else serve_config(args)
     server = None if args.url else own_server(args, config)
-    url = args.url or server.grpc_url
-    try:
+    try:  # straight after the start: a signal from here on still stops the server
+        url = args.url or server.grpc_url
         results = run_loadtest(url, prompts, levels, args.requests, args.max_tokens,
                                args.repeats)
     finally:
