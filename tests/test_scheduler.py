@@ -4,6 +4,7 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,6 +31,28 @@ def collect(scheduler, prompt, max_new, params, **kw):
     req = Request(prompt, max_new, params, out.extend, on_done, **kw)
     scheduler.submit(req)
     return out, done, result
+
+
+def hold_scheduler(scheduler) -> Callable[[], threading.Event]:
+    """Submit a greedy request whose first callback blocks the scheduler thread, and wait
+    until it does; the returned function cancels that request and lets the thread go on,
+    and returns the event its on_done sets."""
+    started, release, cancelled, done = (threading.Event() for _ in range(4))
+
+    def hold(tokens):
+        started.set()
+        release.wait(60)
+
+    scheduler.submit(Request([7, 8], 60, RuleParams("greedy"), hold, lambda s, e: done.set(),
+                             is_cancelled=cancelled.is_set))
+    assert started.wait(60)
+
+    def let_go() -> threading.Event:
+        cancelled.set()
+        release.set()
+        return done
+
+    return let_go
 
 
 def test_many_requests_over_few_slots_each_get_their_solo_output(models):
@@ -70,23 +93,12 @@ def test_bad_requests_are_refused_and_a_full_queue_says_so(models):
             collect(sched, [1, 2], 0, greedy)
         with pytest.raises(ValueError, match=r"num_draft_tokens must be an integer in \[1, 2\]"):
             collect(sched, [1, 2], 4, greedy, num_draft_tokens=3)
-        started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
-
-        def hold(tokens):  # keeps the only slot busy until the test has filled the queue
-            started.set()
-            release.wait(60)
-
-        done_first = threading.Event()
-        first = Request([1, 2], 60, greedy, hold, lambda s, e: done_first.set(),
-                        is_cancelled=cancelled.is_set)
-        sched.submit(first)
-        assert started.wait(60)
+        let_go = hold_scheduler(sched)  # keeps the only slot busy
         second = collect(sched, [3, 4], 4, greedy)  # waits in the queue
         with pytest.raises(QueueFull, match="queue full"):
             collect(sched, [5], 4, greedy)
-        cancelled.set()  # the long one leaves; its slot serves the waiting one
-        release.set()
-        assert done_first.wait(60) and second[1].wait(60)
+        # the long one leaves; its slot serves the waiting one
+        assert let_go().wait(60) and second[1].wait(60)
         assert second[2]["error"] is None and len(second[0]) == 4
     finally:
         sched.stop()
@@ -100,16 +112,8 @@ def test_requests_cancelled_in_the_queue_give_their_places_to_new_ones(models):
                              max_batch_size=1, max_seq_len=64)
     sched = Scheduler(dec, max_queue=2)
     greedy = RuleParams("greedy")
-    started, release, stop_first = threading.Event(), threading.Event(), threading.Event()
-
-    def hold(tokens):  # keeps the only slot busy until the test releases it
-        started.set()
-        release.wait(60)
-
     try:
-        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: None,
-                             is_cancelled=stop_first.is_set))
-        assert started.wait(60)
+        let_go = hold_scheduler(sched)  # keeps the only slot busy
         gave_up = threading.Event()
         waiting = [collect(sched, [3, 4], 4, greedy, is_cancelled=gave_up.is_set)
                    for _ in range(2)]
@@ -121,8 +125,7 @@ def test_requests_cancelled_in_the_queue_give_their_places_to_new_ones(models):
             assert w_done.is_set() and w_result == {"stats": None, "error": None}
             assert w_out == []
         assert sched.stats()["queued"] == 1
-        stop_first.set()
-        release.set()
+        let_go()
         assert done.wait(60) and result["error"] is None and len(out) == 4
     finally:
         sched.stop()
@@ -136,25 +139,14 @@ def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
     dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
                              max_batch_size=3, max_seq_len=64)
     sched = Scheduler(dec, max_queue=2)
-    greedy, sampled = RuleParams("greedy"), RuleParams("exact", temperature=0.7)
-    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
-
-    def hold(tokens):  # blocks the scheduler thread until the test has filled the queue
-        started.set()
-        release.wait(60)
-
-    done_first = threading.Event()
+    sampled = RuleParams("exact", temperature=0.7)
     try:
-        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: done_first.set(),
-                             is_cancelled=cancelled.is_set))
-        assert started.wait(60)
+        let_go = hold_scheduler(sched)
         waiting = [collect(sched, [3, 4], 4, sampled) for _ in range(2 + 2)]  # 2 + 2 free
         assert sched.stats() == {"active": 1, "queued": 4, "free_slots": 2}
         with pytest.raises(QueueFull, match=r"4 waiting: max_queue 2 \+ 2 free slots"):
             collect(sched, [5], 4, sampled)
-        cancelled.set()  # the scheduler moves on; the queued requests run, none is lost
-        release.set()
-        assert done_first.wait(60)
+        assert let_go().wait(60)  # the scheduler moves on; the queued requests run, none lost
         for out, done, result in waiting:
             assert done.wait(60) and result["error"] is None and len(out) == 4
     finally:
@@ -324,19 +316,10 @@ def test_a_failed_prefill_frees_every_slot_and_the_next_group_seeds_afresh(model
 
     dec.prefill = prefill
     sched = Scheduler(dec)
-    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
-
-    def hold(tokens):  # holds the scheduler thread so that the next two are admitted together
-        started.set()
-        release.wait(60)
-
     try:
-        sched.submit(Request([1, 2], 60, greedy, hold, lambda s, e: None,
-                             is_cancelled=cancelled.is_set))
-        assert started.wait(60)
+        let_go = hold_scheduler(sched)  # so that the next two are admitted together
         runs = [collect(sched, [3, 4], 20, greedy), collect(sched, [5, 6], 20, sampled, seed=3)]
-        cancelled.set()
-        release.set()
+        let_go()
         for _, done, _ in runs:
             assert done.wait(60)
         assert failed and "prefill broke" in str(runs[1][2]["error"])
@@ -365,21 +348,12 @@ def test_greedy_requests_share_a_group_and_groups_share_the_round_k(models):
 
     dec.step = step
     sched = Scheduler(dec)
-    started, release, cancelled = threading.Event(), threading.Event(), threading.Event()
-
-    def hold(tokens):  # holds the scheduler thread so that the next three start together
-        started.set()
-        release.wait(60)
-
     try:
-        sched.submit(Request([7, 8], 60, RuleParams("greedy"), hold, lambda s, e: None,
-                             is_cancelled=cancelled.is_set))
-        assert started.wait(60)
+        let_go = hold_scheduler(sched)  # so that the next three start together
         runs = [collect(sched, [1, 2], 30, RuleParams("greedy", temperature=0.5)),
                 collect(sched, [3, 4], 30, RuleParams("greedy", temperature=1.3)),
                 collect(sched, [5, 6], 30, RuleParams("exact", temperature=0.8))]
-        cancelled.set()
-        release.set()
+        let_go()
         for _, done, result in runs:
             assert done.wait(60) and result["error"] is None
     finally:
