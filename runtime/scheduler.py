@@ -61,6 +61,15 @@ def group_key(params: RuleParams) -> RuleParams:
     return RuleParams("greedy") if params.is_greedy else params
 
 
+def tell_done(request: Request, stats: SpecStats | None, error: BaseException | None) -> None:
+    """``request.on_done``; a callback that raises is logged, so the scheduler and the other
+    requests go on."""
+    try:
+        request.on_done(stats, error)
+    except Exception:
+        log.exception("request callback failed")
+
+
 def stop_cut(recent: list[int], new: list[int], stop_sequences: list[list[int]]) -> int | None:
     """How many of the ``new`` tokens to keep when the earliest stop sequence ends among
     them (``recent``: the output just before them), else None."""
@@ -116,7 +125,7 @@ class Scheduler:
                 self.queue.append(request)
                 self.lock.notify()
         for req in dropped:  # outside the lock: the callback talks to the client
-            req.on_done(None, None)
+            tell_done(req, None, None)
         if waiting >= limit:
             raise QueueFull(f"queue full ({waiting} waiting: max_queue {self.max_queue} + "
                             f"{free_slots} free slots); retry later")
@@ -147,7 +156,7 @@ class Scheduler:
                     continue
                 admitted.append((self.free.pop(0), head))
         for req in dropped:  # outside the lock: the callback talks to the client
-            req.on_done(None, None)
+            tell_done(req, None, None)
         return admitted
 
     def _loop(self) -> None:
@@ -215,10 +224,7 @@ class Scheduler:
             for slot, req in admitted:
                 if slot not in started:
                     self._free_slot(slot)
-                    try:
-                        req.on_done(None, e)
-                    except Exception:  # the others still hear of it
-                        log.exception("request callback failed")
+                    tell_done(req, None, e)
             raise
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
@@ -238,10 +244,7 @@ class Scheduler:
                     req.on_done(self.decoder.slot_stats(slot), None)
             except Exception as e:  # a broken callback must not stop everyone else
                 self._release(slot)
-                try:
-                    req.on_done(None, e)
-                except Exception:
-                    log.exception("request callback failed")
+                tell_done(req, None, e)
 
     def _drop_cancelled(self) -> None:
         # asking a Triton response sender is a round trip to the server process (~0.1 ms per
@@ -253,7 +256,7 @@ class Scheduler:
         for slot, req in list(self.running.items()):
             if req.is_cancelled():
                 self._release(slot)
-                req.on_done(None, None)
+                tell_done(req, None, None)
 
     def _release(self, slot: int) -> None:
         if slot in self.running:
@@ -268,13 +271,13 @@ class Scheduler:
     def _fail_all(self, error: BaseException) -> None:
         for slot, req in list(self.running.items()):
             self._release(slot)
-            req.on_done(None, error)
+            tell_done(req, None, error)
         with self.lock:
             waiting = list(self.queue)
             self.queue.clear()
         if self.stopping:
             for req in waiting:
-                req.on_done(None, error)
+                tell_done(req, None, error)
         else:
             with self.lock:
                 self.queue.extend(waiting)

@@ -131,6 +131,30 @@ def test_requests_cancelled_in_the_queue_give_their_places_to_new_ones(models):
         sched.stop()
 
 
+def test_a_raising_callback_of_a_cancelled_queued_request_stops_nothing(models):
+    """The scheduler tells a request cancelled in the queue that it ended; a callback that
+    raises there is logged, and the scheduler thread serves the next request."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=1, max_seq_len=64)
+    sched = Scheduler(dec)
+    told = threading.Event()
+
+    def on_done(stats, error):
+        told.set()
+        raise RuntimeError("client went away")
+
+    try:
+        let_go = hold_scheduler(sched)
+        sched.submit(Request([3, 4], 4, RuleParams("greedy"), lambda t: None, on_done,
+                             is_cancelled=lambda: True))
+        assert let_go().wait(60) and told.wait(60)
+        out, done, result = collect(sched, [5], 4, RuleParams("greedy"))
+        assert done.wait(60) and result["error"] is None and len(out) == 4
+    finally:
+        sched.stop()
+
+
 def test_the_queue_stays_bounded_while_the_scheduler_is_busy(models):
     """While the scheduler thread is busy (here: held inside a request's callback), requests
     queue even with slots free; they count against the bound (max_queue + free slots), the
