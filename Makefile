@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean serve-deps
+.PHONY: demo test lint imports bench clean serve-deps
 
 TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
 PYTRITON := nvidia-pytriton==0.7.0
@@ -35,14 +35,26 @@ $(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors) b
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
 	$(BIN)/paradraft demo --engines $(ENGINES) --prompt "def fibonacci(n):" --max-tokens 64
 
-test: $(STAMP) $(TRITON)
+test: $(STAMP) $(TRITON) imports
 	$(BIN)/ruff check .
 	# pytest exit code 5 = no tests collected: say so and fail, never pass silently
 	$(BIN)/python -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-lint: $(STAMP)
+lint: $(STAMP) imports
 	$(BIN)/ruff check .
+
+# The import contracts of pyproject.toml (import-linter). `paradraft.runtime` and
+# `paradraft.build` live in runtime/ and build/ (setuptools package-dir), which grimp cannot
+# follow, so the check runs on a copy laid out as the import names say.
+IMPORTS_TREE := .venv/import-tree
+imports: $(STAMP)
+	rm -rf $(IMPORTS_TREE) && mkdir -p $(IMPORTS_TREE)/paradraft
+	cp -r paradraft/. $(IMPORTS_TREE)/paradraft/
+	cp -r runtime $(IMPORTS_TREE)/paradraft/runtime
+	cp -r build $(IMPORTS_TREE)/paradraft/build
+	cp -r triton_repo $(IMPORTS_TREE)/paradraft/triton_repo
+	cd $(IMPORTS_TREE) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports $(CURDIR)/pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

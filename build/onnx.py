@@ -23,6 +23,7 @@ Graphs per engine dir (fp32, opset 17, dynamic batch / token count / cache lengt
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import warnings
@@ -30,14 +31,15 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from paradraft.runtime.backends.engine_io import DOMAIN, OP_TYPE, PLUGIN_VERSION, set_rule
+from paradraft.runtime.backends.manifest import package_versions, write_manifest
+from paradraft.runtime.backends.ort import OrtModel
 from paradraft.runtime.correction import MAX_K, RuleParams
-from paradraft.runtime.model import ModelConfig, Transformer, load_model
-from paradraft.runtime.onnx_backend import DOMAIN, OP_TYPE, PLUGIN_VERSION, set_rule
-
-from .manifest import package_versions, write_manifest
+from paradraft.runtime.model import ModelConfig, Transformer, load_model, new_kv_cache
 
 OPSET = 17
 DRAFT_PRECISIONS = ("int8", "float32")
@@ -207,7 +209,6 @@ def fold_reshapes(model) -> int:
     batch-1 draft call is bound by ONNX Runtime's per-node cost, and this plumbing was a
     third of its nodes (the layer code takes each reshape's B, T from its own input for it).
     """
-    import numpy as np
     from onnx import numpy_helper, shape_inference
 
     g = model.graph
@@ -380,8 +381,6 @@ def quantize_draft(path: Path) -> None:
     the verifier's. The draft only proposes tokens: the verifier's logits decide, so the
     lossless rules stay lossless (the exact rule uses the q the int8 draft sampled from);
     only acceptance can move. The verifier graphs stay fp32."""
-    import logging
-
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     tmp = path.with_suffix(".int8.onnx")
@@ -427,9 +426,6 @@ def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
     """Run the exported graph and the torch model on the same ragged step; return the max
     abs logit difference (raise above ``tol``, in units of the torch logits' standard
     deviation if ``relative``) — the build refuses a wrong export."""
-    from paradraft.runtime.model import new_kv_cache
-    from paradraft.runtime.onnx_backend import OrtModel
-
     c = model.config
     ort_model = OrtModel(c, {num_layers: path} if num_layers else {None: path})
     g = torch.Generator().manual_seed(0)
@@ -464,9 +460,6 @@ def check_draft_steps(model: Transformer, path: Path, k: int, num_layers: int | 
     must be torch's argmax up to ``tol`` (its torch logit at most ``tol`` below the max) and
     the K/V written back must match torch's within ``tol`` (both in units of the torch
     values' standard deviation if ``relative``); raise otherwise. Returns the largest gap."""
-    from paradraft.runtime.model import new_kv_cache
-    from paradraft.runtime.onnx_backend import OrtModel
-
     c = model.config
     ort_model = OrtModel(c, {}, draft_steps={(num_layers, k): path})
     g = torch.Generator().manual_seed(0)

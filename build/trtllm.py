@@ -27,9 +27,7 @@ What TensorRT-LLM does not offer, stated here rather than hidden:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -37,10 +35,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from paradraft.runtime.backends.manifest import package_versions, write_manifest
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.model import ModelConfig, load_config
-
-from .manifest import package_versions, write_manifest
+from paradraft.runtime.serving.server import fill_template, unquoted_placeholders
 
 # The Dockerfile's base image and the TensorRT-LLM release inside it (NVIDIA's Triton
 # compatibility matrix: 25.12 = TensorRT-LLM 1.1.0, TensorRT 10.13.3.9, Python 3.12). The
@@ -388,23 +386,6 @@ def stock_values(spec: TritonRepoSpec) -> dict[str, dict[str, str]]:
     }
 
 
-PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
-
-
-def fill_template(text: str, values: dict[str, str]) -> str:
-    """Replace ${key} for the keys given and leave the rest (TensorRT-LLM's fill_template.py
-    does the same; its models treat a string parameter still reading "${...}" as unset)."""
-    return PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
-
-
-def unquoted_placeholders(text: str) -> list[str]:
-    """Placeholders outside "..." — tritonserver cannot parse a config that keeps one."""
-    found = []
-    for line in text.splitlines():
-        found += PLACEHOLDER.findall(re.sub(r'"[^"]*"', '""', line.split("#", 1)[0]))
-    return found
-
-
 def rename_model(text: str, old: str, new: str) -> str:
     line = f'name: "{old}"'
     if line not in text:
@@ -561,39 +542,3 @@ def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
         "versions": package_versions(("paradraft", "tensorrt_llm", "tensorrt", "torch")),
     }
     return write_manifest(job.out, manifest)
-
-
-# the CLI's --precision (the TensorRT backend's flag) names the engines' dtype here too
-PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-def job_from_args(args) -> tuple[TrtllmJob, RuleParams, Path | None]:
-    """The build the CLI's `build` arguments ask for (demo pair when no models are given)."""
-    from paradraft.runtime.cli import DEMO_DIR, rule_params
-
-    if args.self_draft_layers is not None:
-        raise ValueError("--self-draft-layers: the trtllm backend has no self-draft engine")
-    verifier, draft = args.verifier, args.draft
-    if verifier is None:  # no model arguments: the shipped demo pair
-        verifier, draft = DEMO_DIR / "verifier", draft or DEMO_DIR / "draft"
-    if draft is None:
-        raise ValueError("--draft is required with --backend trtllm (the draft engine)")
-    precision = getattr(args, "precision", None)
-    dtype = PRECISION_DTYPES.get(precision, args.dtype)
-    rules = rule_params(args)
-    job = TrtllmJob(
-        verifier=Path(verifier), draft=Path(draft), out=Path(args.out),
-        verifier_type=load_config(verifier).model_type, draft_type=load_config(draft).model_type,
-        dtype=dtype, max_batch_size=args.max_batch_size, max_k=args.max_k,
-        max_seq_len=args.max_seq_len, use_draft_logits=draft_logits_for_rule(rules.rule))
-    return job, rules, Path(args.parallel_draft) if args.parallel_draft else None
-
-
-def cmd_build_trtllm(args) -> None:
-    """`paradraft build --backend trtllm`."""
-    job, rules, parallel = job_from_args(args)
-    manifest = build_trtllm(job, rules, parallel)
-    print(json.dumps({"manifest": str(job.out / "manifest.json"),
-                      "triton_repo": str(job.out / "triton_repo"),
-                      "serve": str(job.out / "serve_trtllm.sh"),
-                      "files": list(manifest["checksums"])}, indent=2))

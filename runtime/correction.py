@@ -13,8 +13,8 @@ and the TensorRT plugin can be checked against this module for the same random n
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
 
 Distributions: ``exact`` compares the temperature + top-p distribution the baseline samples
-from (that is what makes it lossless). The seed's heuristic rules (``threshold``, ``ratio``,
-``dynamic``) and ``typical`` test the plain verifier softmax, as the seed writes them, and
+from (that is what makes it lossless). The heuristic rules (``threshold``, ``ratio``,
+``dynamic``) and Medusa typical acceptance (``typical``) test the plain verifier softmax, and
 sample their correction with temperature + top-p.
 """
 

@@ -215,7 +215,7 @@ class Block(nn.Module):
         q = q.transpose(1, 2)
         leak = None
         if audit:
-            # explicit softmax so the weights can be inspected (seed scheme 3)
+            # explicit softmax so the weights can be inspected (the attention causal audit)
             groups = c.n_heads // c.n_kv_heads
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .correction import RuleParams
-from .speculative import SpecStats, SpeculativeDecoder
+from .metrics import SpecStats
+from .speculative import SpeculativeDecoder
 
 log = logging.getLogger("paradraft")
 CANCEL_CHECK_S = 0.05  # how often running requests are asked whether they were cancelled

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paradraft.runtime.model import load_model
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
@@ -81,3 +83,13 @@ def pair_engines(pair, tmp_path_factory):
     build_engines(vdir, out, ddir, pdir, self_draft_layers=1, draft_precision="float32",
                   max_k=5)
     return out
+
+
+@pytest.fixture(scope="module")
+def verifier(pair):
+    return load_model(pair[0])
+
+
+@pytest.fixture(scope="module")
+def draft(pair):
+    return load_model(pair[1])

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from paradraft.runtime.correction import RULES, RuleParams, correct, draw_randoms, sampling_probs
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 BACKENDS = ["torch", "onnx", "tensorrt"]
 DRAFTERS = ["model", "parallel", "self"]
@@ -56,7 +57,7 @@ def backend(request, pair):
         return name, *torch_models(pair)
     if name == "onnx":
         pytest.importorskip("onnxruntime")
-        from paradraft.runtime.engines import load_engines
+        from paradraft.runtime.backends.loader import load_engines
 
         verifier, drafters, _, _ = load_engines(request.getfixturevalue("pair_engines"))
         return name, verifier, drafters
@@ -67,7 +68,7 @@ def backend(request, pair):
                     "NVIDIA GPU)")
     if not torch.cuda.is_available():
         pytest.skip("the tensorrt backend needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from paradraft.runtime.engines import load_engines
+    from paradraft.runtime.backends.loader import load_engines
 
     verifier, drafters, _, _ = load_engines(request.getfixturevalue("pair_trt_engines"))
     return name, verifier, drafters

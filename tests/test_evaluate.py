@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paradraft.runtime.bench import analytic_length
-from paradraft.runtime.evaluate import (
+from paradraft.runtime.model import load_model
+from paradraft.runtime.tools.evaluate import (
     QualityRow,
     bootstrap_ppl_change,
     compare,
@@ -22,7 +22,6 @@ from paradraft.runtime.evaluate import (
     heldout_perplexity,
     perplexity_from_logprobs,
 )
-from paradraft.runtime.model import load_model
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
 
@@ -68,12 +67,6 @@ def test_distinct_n_by_hand():
     assert distinct_n([[1]], 2) == 0.0
 
 
-def test_analytic_acceptance_length():
-    assert analytic_length(0.0, 4) == 1.0
-    assert analytic_length(1.0, 4) == 5.0
-    assert analytic_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-
-
 def test_frontier_keeps_only_undominated_settings_by_perplexity_change():
     def row(label, speed, ppl, change):
         r = QualityRow(label, "dynamic", {}, ppl, 0, 0, 0, 0, 0, 0, speedup=speed)
@@ -96,7 +89,7 @@ def quality_row(rule, nll, tokens, distinct_2=0.8):
 def test_measure_draws_fresh_randoms_for_every_batch(pair):
     # the same prompt in two batches under one seed: two independent samples, not one twice
     from paradraft.runtime.correction import RuleParams
-    from paradraft.runtime.evaluate import measure
+    from paradraft.runtime.tools.evaluate import measure
 
     verifier = load_model(pair[0])
     row = measure(verifier, None, RuleParams("exact"), 0, prompts=[[3, 5, 7], [3, 5, 7]],
@@ -155,7 +148,7 @@ needs_demo = pytest.mark.skipif(
 
 
 def cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "paradraft.runtime.cli", *args],
+    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -288,7 +281,7 @@ def test_shipped_models_match_transformers(name):
 
 
 def test_loadtest_summary_is_the_median_of_per_repeat_ratios():
-    from paradraft.runtime.loadtest import LevelResult, summarize
+    from paradraft.runtime.tools.loadtest import LevelResult, summarize
 
     def level(c, rep, tps):
         return LevelResult(c, rep, 4, 4, 0, 0, int(tps), 1.0, tps, 0, 0, 0, 0, 0.5, 0.1, [])

@@ -20,12 +20,14 @@ import torch
 pytest.importorskip("triton", reason="triton (a dev dependency) is not installed")
 
 from paradraft.build.onnx import CORRECTION_INPUTS, CORRECTION_OUTPUTS
-from paradraft.runtime import correction_kernel as ck
-from paradraft.runtime import speculative, trt_plugin
+from paradraft.runtime import speculative
+from paradraft.runtime.backends import kernels as ck
+from paradraft.runtime.backends import trt_plugin
+from paradraft.runtime.backends.engine_io import accepted_block, rule_attributes
 from paradraft.runtime.correction import RULES, RuleParams, correct, draw_randoms
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.onnx_backend import accepted_block, rule_attributes
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 
 def inputs(B: int, K: int, V: int, seed: int, with_q: bool):
@@ -174,7 +176,8 @@ def test_kernel_modules_import_without_triton_or_tensorrt():
     code = """
 import sys
 sys.modules["triton"] = None  # as if not installed
-from paradraft.runtime import correction_kernel as ck, trt_plugin
+from paradraft.runtime.backends import kernels as ck
+from paradraft.runtime.backends import trt_plugin
 from paradraft.runtime.correction import RuleParams, correct
 assert ck.correct_for("cuda") is correct
 try:
@@ -276,8 +279,8 @@ def test_kernel_aot_compiles_for_a_gpu_target():
     code = """
 from types import SimpleNamespace
 from triton.backends.compiler import GPUTarget
-import paradraft.runtime.correction_kernel as ck
-from paradraft.runtime import trt_plugin
+import paradraft.runtime.backends.kernels as ck
+from paradraft.runtime.backends import trt_plugin
 sys_target = GPUTarget("cuda", 90, 32)
 original = ck.compile_row_kernel
 ck.compile_row_kernel = lambda p, t: original(p, t, target=sys_target)

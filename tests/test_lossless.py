@@ -7,8 +7,9 @@ from conftest import VOCAB
 from scipy.stats import chisquare
 
 from paradraft.runtime.correction import Randoms, RuleParams, correct, sampling_probs
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 PROMPT_LENS = [1, 3, 5, 7, 9, 12, 15, 20]
 NEW_TOKENS = 24

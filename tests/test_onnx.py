@@ -14,10 +14,11 @@ import torch
 from conftest import VOCAB, save_hf, tiny_config, transformers
 
 from paradraft.build.onnx import build_engines
+from paradraft.runtime.backends.loader import load_engines
 from paradraft.runtime.correction import RuleParams
-from paradraft.runtime.engines import load_engines
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch
     with None. A bad count is refused by name. Workers spin only within a run. The decoder
     runs its own torch ops on one thread unless top-p sorts the vocabulary; the sessions
     keep their counts."""
-    from paradraft.runtime.onnx_backend import Graph
+    from paradraft.runtime.backends.ort import Graph
 
     def intra_op(graph) -> int:
         return graph.session.get_session_options().intra_op_num_threads
@@ -304,7 +305,7 @@ def test_build_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paradraft.runtime.cli", *args],
+    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
                           capture_output=True, text=True, timeout=600)
 
 

@@ -13,14 +13,23 @@ import pytest
 import torch
 
 from paradraft.build import tensorrt as trt_build
-from paradraft.build.manifest import read_manifest, sha256_file
-from paradraft.build.tensorrt import (
+from paradraft.build.tensorrt import build_plans
+from paradraft.runtime.backends import trt_plugin
+from paradraft.runtime.backends.manifest import read_manifest, sha256_file
+from paradraft.runtime.backends.trt import (
+    ALIGNMENT,
+    TrtModel,
+    check_limits,
+    choose_profile,
+    misfit,
+    prepare,
+)
+from paradraft.runtime.backends.trt_plans import (
     REQUIREMENT,
     ROLE_PROFILES,
     Limits,
     Range,
     TensorRTUnavailable,
-    build_plans,
     dim_ranges,
     import_tensorrt,
     input_dims,
@@ -29,16 +38,9 @@ from paradraft.build.tensorrt import (
     precision_flag,
 )
 from paradraft.runtime.correction import RuleParams, draw_randoms, sampling_probs
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
-from paradraft.runtime.trt_backend import (
-    ALIGNMENT,
-    TrtModel,
-    check_limits,
-    choose_profile,
-    misfit,
-    prepare,
-)
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 LIMITS = Limits(max_batch_size=8, max_k=4, max_seq_len=512)
 CONFIG = {"vocab_size": 61, "n_kv_heads": 2, "head_dim": 12}
@@ -153,9 +155,9 @@ class Checked:
 
 def stand_in_models(engine_dir, seen):
     """TrtModels over ONNX Runtime runners, built from the engine dir's manifest."""
-    from paradraft.runtime.engines import load_engines
+    from paradraft.runtime.backends.loader import load_engines
+    from paradraft.runtime.backends.ort import Graph
     from paradraft.runtime.model import ModelConfig
-    from paradraft.runtime.onnx_backend import Graph
 
     ort_verifier, _, _, manifest = load_engines(engine_dir)
     limits = Limits(**manifest["limits"])
@@ -213,7 +215,7 @@ def test_trt_model_bookkeeping_gives_torch_tokens_within_the_profiles(pair, pair
 def test_trt_model_verify_and_correct_equals_onnx(pair_engines):
     """The correction graph's inputs (empty tensors for absent ones), outputs and cache
     write-back, against OrtModel.verify_and_correct on the same graph."""
-    from paradraft.runtime.engines import load_engines
+    from paradraft.runtime.backends.loader import load_engines
 
     seen: set = set()
     verifier = stand_in_models(pair_engines, seen)[0]
@@ -281,15 +283,15 @@ def test_check_limits_names_the_rebuild_flag():
 
 
 def test_serve_refuses_limits_beyond_a_tensorrt_engine(monkeypatch):
-    from paradraft.runtime import engines, serve
+    from paradraft.runtime.serving import protocol
 
     manifest = {"backend": "tensorrt",
                 "limits": {"max_batch_size": 8, "max_k": 4, "max_seq_len": 512}}
-    monkeypatch.setattr(engines, "load_engines", lambda d, **kw: (None, {"model": None}, None,
+    monkeypatch.setattr(protocol, "load_engines", lambda d, **kw: (None, {"model": None}, None,
                                                             manifest))
-    config = serve.ServeConfig(verifier="unused", draft=None, engines="trt", max_slots=16)
+    config = protocol.ServeConfig(verifier="unused", draft=None, engines="trt", max_slots=16)
     with pytest.raises(ValueError, match=r"KV-cache slots.*--max-batch-size 16"):
-        serve.build_scheduler(config)
+        protocol.build_scheduler(config)
 
 
 # -- the build against a stand-in tensorrt module ------------------------------------------
@@ -411,10 +413,8 @@ def fake_tensorrt(version: str = "10.9.0.34") -> types.ModuleType:
 @pytest.fixture
 def fake_trt(monkeypatch):
     trt = fake_tensorrt()
-    plugin = types.ModuleType("paradraft.runtime.trt_plugin")
-    plugin.register_plugin = lambda: trt.log.append(("register",))
+    monkeypatch.setattr(trt_plugin, "register_plugin", lambda: trt.log.append(("register",)))
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "paradraft.runtime.trt_plugin", plugin)
     return trt
 
 
@@ -495,7 +495,7 @@ def test_missing_tensorrt_is_a_clear_error(monkeypatch):
 
 
 def test_loading_tensorrt_engines_names_what_is_missing(fake_trt, onnx_dir, monkeypatch):
-    from paradraft.runtime.engines import load_engines
+    from paradraft.runtime.backends.loader import load_engines
 
     build_plans(onnx_dir)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -510,7 +510,7 @@ def test_loading_tensorrt_engines_names_what_is_missing(fake_trt, onnx_dir, monk
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:
-    from paradraft.runtime.cli import main
+    from paradraft.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -538,7 +538,7 @@ def test_cli_build_tensorrt_arguments(pair, tmp_path, capsys, monkeypatch, fake_
 
 
 def test_cli_build_tensorrt_writes_a_tensorrt_engine_dir(pair, tmp_path, capsys, fake_trt):
-    from paradraft.runtime.cli import main
+    from paradraft.cli.main import main
 
     out = tmp_path / "engines"
     main(["build", "--backend", "tensorrt", "--verifier", pair[0], "--draft", pair[1],

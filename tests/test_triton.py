@@ -12,11 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paradraft.runtime import serve
-from paradraft.runtime.cli import load_tokenizer
+from paradraft.runtime.checkpoints import load_tokenizer
 from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.speculative import Drafter, SpeculativeDecoder
+from paradraft.runtime.serving import client as serving_client
+from paradraft.runtime.serving import protocol
+from paradraft.runtime.serving import server as serving_server
+from paradraft.runtime.speculative import SpeculativeDecoder
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -26,7 +29,7 @@ SLOTS = 4
 MAX_SEQ = 320
 
 try:
-    serve.find_tritonserver()
+    serving_server.find_tritonserver()
     HAVE_SERVER = True
 except FileNotFoundError:
     HAVE_SERVER = False
@@ -48,11 +51,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = serve.ServeConfig(
+    config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=str(MODELS / "draft"), k=4,
         max_slots=SLOTS, max_queue=32, max_seq_len=MAX_SEQ, max_input_tokens=256,
         eos_token_id=load_model(MODELS / "verifier").config.eos_token_id)
-    srv = serve.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+    srv = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
                              grpc_port=free_port(), http_port=free_port(),
                              metrics_port=free_port(),
                              workdir=tmp_path_factory.mktemp("triton"))
@@ -123,8 +126,8 @@ def test_greedy_over_grpc_equals_the_runtime_and_streaming_concatenates(server, 
     srv, _ = server
     for prompt in PROMPTS[:3]:
         want = local(prompt, 40)
-        whole = serve.complete(srv.grpc_url, prompt, 40, stream=False)
-        streamed = serve.complete(srv.grpc_url, prompt, 40, stream=True)
+        whole = serving_client.complete(srv.grpc_url, prompt, 40, stream=False)
+        streamed = serving_client.complete(srv.grpc_url, prompt, 40, stream=True)
         assert whole.text == want
         assert len(whole.chunks) == 1
         assert len(streamed.chunks) > 2  # several responses before the final one
@@ -136,14 +139,14 @@ def test_greedy_over_grpc_equals_the_runtime_and_streaming_concatenates(server, 
 def test_stream_interval_sends_fewer_larger_responses_and_loses_no_text(server, local,
                                                                       tmp_path_factory):
     _, base = server
-    config = serve.ServeConfig(**{**base.__dict__, "stream_interval": 8})
-    srv = serve.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+    config = protocol.ServeConfig(**{**base.__dict__, "stream_interval": 8})
+    srv = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
                              grpc_port=free_port(), http_port=free_port(),
                              metrics_port=free_port(),
                              workdir=tmp_path_factory.mktemp("triton_interval"))
     try:
         for prompt in PROMPTS[:2]:
-            streamed = serve.complete(srv.grpc_url, prompt, 40, stream=True)
+            streamed = serving_client.complete(srv.grpc_url, prompt, 40, stream=True)
             assert streamed.text == local(prompt, 40)
             # the first response at once (one round's tokens), then at least 8 tokens each;
             # the final one carries what is left
@@ -162,7 +165,7 @@ def test_sixteen_concurrent_streams_each_get_their_solo_output(server, local):
     got: list = [None] * 16
 
     def run(i):
-        got[i] = serve.complete(srv.grpc_url, jobs[i][0], jobs[i][1], stream=True).text
+        got[i] = serving_client.complete(srv.grpc_url, jobs[i][0], jobs[i][1], stream=True).text
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
     for t in threads:
@@ -201,7 +204,7 @@ def test_cancelled_streams_free_their_slots(server):
     burst = [None] * SLOTS
 
     def run(i):
-        burst[i] = serve.complete(srv.grpc_url, PROMPTS[i], 12, stream=True)
+        burst[i] = serving_client.complete(srv.grpc_url, PROMPTS[i], 12, stream=True)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(SLOTS)]
     for t in threads:
@@ -222,7 +225,7 @@ def test_stop_request_through_the_ensemble_frees_the_slot(server):
 
     def run(rid):
         try:
-            outcome[rid] = serve.complete(srv.grpc_url, "def long_function():", 280,
+            outcome[rid] = serving_client.complete(srv.grpc_url, "def long_function():", 280,
                                           stream=True, request_id=rid, end_id=-1)
         except Exception as e:  # recorded for the assertion below
             outcome[rid] = e
@@ -235,7 +238,7 @@ def test_stop_request_through_the_ensemble_frees_the_slot(server):
         assert time.monotonic() < deadline, "the long requests did not start"
         time.sleep(0.1)
     for rid in ids:
-        serve.stop_request(srv.grpc_url, rid)
+        serving_client.stop_request(srv.grpc_url, rid)
     for t in threads:
         t.join(60)
     # each stopped stream (the queued one too) ended with a final response, early
@@ -248,8 +251,8 @@ def test_stop_request_through_the_ensemble_frees_the_slot(server):
         time.sleep(0.2)
     assert metrics(srv)["paradraft_requests_total"] == before.get("paradraft_requests_total", 0)
     with pytest.raises(RuntimeError, match="no request with id 'nobody'"):
-        serve.stop_request(srv.grpc_url, "nobody")
-    assert serve.complete(srv.grpc_url, PROMPTS[0], 8).text
+        serving_client.stop_request(srv.grpc_url, "nobody")
+    assert serving_client.complete(srv.grpc_url, PROMPTS[0], 8).text
 
 
 HOSTILE = {
@@ -320,7 +323,7 @@ def test_hostile_input_gets_an_error_and_the_server_keeps_serving(server, case):
     _, error = raw_stream(srv.grpc_url, inputs)
     assert error is not None, f"{case}: no error"
     assert message in str(error), f"{case}: {error}"
-    ok = serve.complete(srv.grpc_url, "def ok():", 6, stream=False)
+    ok = serving_client.complete(srv.grpc_url, "def ok():", 6, stream=False)
     assert ok.text
 
 
@@ -330,7 +333,7 @@ def test_wrong_shape_is_refused(server):
               tensor("max_tokens", 8, "INT32", np.int32)]
     _, error = raw_stream(srv.grpc_url, inputs)
     assert error is not None and "text_input" in str(error)
-    assert serve.complete(srv.grpc_url, "def ok():", 6).text
+    assert serving_client.complete(srv.grpc_url, "def ok():", 6).text
 
 
 def test_http_generate_endpoint(server):
@@ -341,7 +344,7 @@ def test_http_generate_endpoint(server):
     req = urllib.request.Request(f"http://{srv.host}:{srv.http_port}/v2/models/ensemble/generate",
                                  data=body, method="POST")
     reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
-    assert reply["text_output"] == serve.complete(srv.grpc_url, "def f(x):", 10).text
+    assert reply["text_output"] == serving_client.complete(srv.grpc_url, "def f(x):", 10).text
     assert reply["total_draft_tokens"] > 0
 
 
@@ -359,7 +362,7 @@ def test_http_generate_stream_endpoint(server):
     events = [json.loads(line.removeprefix("data: ")) for line in raw.splitlines()
               if line.startswith("data: ")]
     assert len(events) > 2
-    assert "".join(e["text_output"] for e in events) == serve.complete(
+    assert "".join(e["text_output"] for e in events) == serving_client.complete(
         srv.grpc_url, "def g(y):", 12).text
     assert events[-1]["sequence_length"] == 12
     assert events[-1]["total_draft_tokens"] > 0
@@ -368,7 +371,7 @@ def test_http_generate_stream_endpoint(server):
 def test_custom_metrics_move(server):
     srv, _ = server
     before = metrics(srv)
-    done = serve.complete(srv.grpc_url, "def metric_test():", 32)
+    done = serving_client.complete(srv.grpc_url, "def metric_test():", 32)
     after = metrics(srv)
     for name in ("paradraft_draft_tokens_total", "paradraft_accepted_tokens_total",
                  "paradraft_requests_total", "paradraft_acceptance_length_count"):
@@ -381,7 +384,7 @@ def test_custom_metrics_move(server):
 
 
 def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
-    from paradraft.runtime.loadtest import run_loadtest, write_outputs
+    from paradraft.runtime.tools.loadtest import run_loadtest, write_outputs
 
     srv, _ = server
     results = run_loadtest(srv.grpc_url, PROMPTS, [1, 2], requests=3, max_tokens=6, repeats=2)
@@ -414,7 +417,7 @@ def start_serve_command(workdir: Path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "paradraft.runtime.cli", "serve",
+    cmd = [sys.executable, "-m", "paradraft.cli", "serve",
            "--verifier", str(MODELS / "verifier"), "--draft", str(MODELS / "draft"),
            "--max-slots", "2", "--max-seq-len", "128", "--grpc-port", str(free_port()),
            "--http-port", str(free_port()), "--metrics-port", str(free_port()),
@@ -497,7 +500,7 @@ def test_stop_words_end_the_output_after_their_first_occurrence(server, local):
     want = tok.decode(ids[: ids.index(stop) + 1])
     assert len(want) < len(full)
     for stream in (False, True):
-        done = serve.complete(srv.grpc_url, prompt, 48, stream, stop_words=[word, ""])
+        done = serving_client.complete(srv.grpc_url, prompt, 48, stream, stop_words=[word, ""])
         assert done.text == "".join(done.chunks) == want, (stream, word)
 
 
@@ -506,7 +509,7 @@ def test_tensorrt_llm_client_defaults_are_accepted(server, local):
     greedy, empty bad/stop words mean none."""
     srv, _ = server
     prompt = "class Parser:"
-    inputs = [*serve.request_inputs(prompt, 24, False),
+    inputs = [*serving_client.request_inputs(prompt, 24, False),
               tensor("bad_words", [b""], "BYTES", np.object_, (1, 1)),
               tensor("stop_words", [b""], "BYTES", np.object_, (1, 1)),
               tensor("top_k", 1, "INT32", np.int32), tensor("beam_width", 1, "INT32", np.int32),
@@ -534,19 +537,20 @@ def onnx_server(tmp_path_factory):
     engines = tmp_path_factory.mktemp("engines")
     build_engines(MODELS / "verifier", engines, MODELS / "draft", max_batch_size=SLOTS,
                   max_k=4, max_seq_len=MAX_SEQ)
-    config = serve.ServeConfig(
+    config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=None, engines=str(engines), k=4,
         max_slots=SLOTS, max_queue=8, max_seq_len=MAX_SEQ, max_input_tokens=256,
         eos_token_id=load_model(MODELS / "verifier").config.eos_token_id)
-    srv = serve.start_server(config, str(engines / "tokenizer.json"), grpc_port=free_port(),
-                             http_port=free_port(), metrics_port=free_port(),
-                             workdir=tmp_path_factory.mktemp("triton_onnx"))
+    srv = serving_server.start_server(config, str(engines / "tokenizer.json"),
+                                      grpc_port=free_port(), http_port=free_port(),
+                                      metrics_port=free_port(),
+                                      workdir=tmp_path_factory.mktemp("triton_onnx"))
     yield srv, config
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 
 
 def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_server):
-    from paradraft.runtime.engines import load_engines
+    from paradraft.runtime.backends.loader import load_engines
 
     srv, config = onnx_server
     verifier, drafters = load_engines(config.engines)[:2]
@@ -556,6 +560,6 @@ def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_serv
     for prompt in PROMPTS[:3]:
         ids = dec.generate([tok.encode(prompt).ids], 24,
                            eos_token_id=config.eos_token_id).token_ids[0]
-        got = serve.complete(srv.grpc_url, prompt, 24, stream=True)
+        got = serving_client.complete(srv.grpc_url, prompt, 24, stream=True)
         assert got.text == "".join(got.chunks) == tok.decode(ids), prompt
         assert len(got.chunks) > 1 and got.total_draft_tokens > 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from paradraft.build import trtllm
-from paradraft.build.manifest import read_manifest
+from paradraft.runtime.backends.manifest import read_manifest
 from paradraft.runtime.correction import RuleParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +244,7 @@ def test_only_absent_tools_are_named(tmp_path, stock_src, monkeypatch):
 
 
 def test_cli_build_trtllm_exits_2_naming_the_tools(tmp_path, no_trtllm, monkeypatch, capsys):
-    from paradraft.runtime.cli import main
+    from paradraft.cli.main import main
 
     monkeypatch.setattr(trtllm, "DEFAULT_SRC", tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
@@ -488,11 +488,11 @@ def test_ensemble_loads_in_tritonserver_and_maps_our_names(tmp_path):
 
     import numpy as np
 
-    from paradraft.runtime import serve
+    from paradraft.runtime.serving import server
 
     grpc = pytest.importorskip("tritonclient.grpc")
     try:
-        server_bin = serve.find_tritonserver()
+        server_bin = server.find_tritonserver()
     except FileNotFoundError:
         pytest.skip("no tritonserver (make serve-deps)")
     repo = tmp_path / "repo"
@@ -503,16 +503,16 @@ def test_ensemble_loads_in_tritonserver_and_maps_our_names(tmp_path):
     (repo / "tensorrt_llm_bls" / "1" / "model.py").write_text(STUB_BLS)
     (repo / "ensemble" / "1").mkdir(parents=True)
     (repo / "ensemble" / "config.pbtxt").write_text(trtllm.ensemble_config(s))
-    from paradraft.runtime.cli import free_port
+    from paradraft.cli.serve import free_port
 
     port = free_port()
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(
             [str(server_bin), f"--model-repository={repo}",
-             f"--backend-directory={serve.backend_dir(server_bin, tmp_path)}",
+             f"--backend-directory={server.backend_dir(server_bin, tmp_path)}",
              f"--grpc-port={port}", f"--http-port={free_port()}",
              f"--metrics-port={free_port()}"],
-            stdout=log, stderr=subprocess.STDOUT, env=serve.server_env(server_bin))
+            stdout=log, stderr=subprocess.STDOUT, env=server.server_env(server_bin))
     try:
         client = grpc.InferenceServerClient(f"127.0.0.1:{port}")
         deadline = time.time() + 120

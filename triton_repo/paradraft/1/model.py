@@ -4,8 +4,8 @@ execute() validates each request, hands it to the scheduler and returns at once;
 scheduler thread streams responses as rounds complete, through one sender thread: each
 send (and metric update) is an IPC round trip to the server process (~0.3 ms), which the
 sender thread overlaps with the next round's compute instead of stalling the batch.
-Request parsing and the decoder set-up are paradraft.runtime.serve's (tested in process);
-this file only adapts them to Triton."""
+Request parsing and the decoder set-up are paradraft.runtime.serving.protocol's (tested in
+process); this file only adapts them to Triton."""
 
 import json
 import queue
@@ -82,13 +82,13 @@ class TritonPythonModel:
         params = {k: v["string_value"]
                   for k, v in json.loads(args["model_config"])["parameters"].items()}
         site.addsitedir(params["site_packages"])  # the project's venv (.pth files included)
-        from paradraft.runtime import serve
         from paradraft.runtime.scheduler import QueueFull, Request
+        from paradraft.runtime.serving import protocol
 
-        self.serve, self.Request, self.QueueFull = serve, Request, QueueFull
+        self.protocol, self.Request, self.QueueFull = protocol, Request, QueueFull
         with open(params["model_config"]) as f:
-            self.config = serve.ServeConfig(**json.load(f))
-        self.scheduler = serve.build_scheduler(self.config)
+            self.config = protocol.ServeConfig(**json.load(f))
+        self.scheduler = protocol.build_scheduler(self.config)
         self.metrics = Metrics()
         self.live = {}  # request id -> its stop flag, for requests running or queued
         # FIFO: one thread keeps every request's responses in order (final one last)
@@ -116,11 +116,11 @@ class TritonPythonModel:
                     self.stop(request.request_id(), sender)
                     continue
                 inputs = {}
-                for name in self.serve.REQUEST_INPUTS:
+                for name in self.protocol.REQUEST_INPUTS:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                parsed = self.serve.parse_request(inputs, self.config)
+                parsed = self.protocol.parse_request(inputs, self.config)
                 self.scheduler.submit(self.make_request(parsed, sender,
                                                         request.request_id()))
             except (ValueError, self.QueueFull) as e:

@@ -1,0 +1,110 @@
+"""``paradraft bench``: speed-up and acceptance of every variant, side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from paradraft.build.onnx import build_engines
+from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.correction import MAX_K
+from paradraft.runtime.drafters import AnyDrafter
+from paradraft.runtime.model import load_model
+from paradraft.runtime.tools.bench import (
+    compare_backends,
+    compare_hf,
+    print_rows,
+    run_bench,
+    summary,
+    write_outputs,
+)
+
+from .common import add_draft_threads_arg, add_eval_args, eval_prompts, int_list, load_drafters
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="speed-up / acceptance side by side with transformers")
+    add_eval_args(p, "bench")
+    p.add_argument("--drafters", default="model,parallel,self")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--temperature", type=float, default=1.0, help="for the sampling rows")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole plan this many times in turn; tokens/s are medians, "
+                   "ratios the medians of per-repeat ratios")
+    p.add_argument("--backends", default="torch",
+                   help="comma list of torch, onnx: run our variants on each, side by side")
+    p.add_argument("--engines", default=None,
+                   help="engine dir for the onnx backend (default: build into a temp dir)")
+    add_draft_threads_arg(p)
+    p.set_defaults(run=run)
+
+
+def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
+                  ) -> tuple[object, dict[str, AnyDrafter], dict]:
+    """The onnx backend's verifier, drafters and manifest: ``--engines`` or a build (with
+    the build's defaults, and the bench's largest K as max_k: fused draft graphs for the Ks
+    it runs) into ``tmp``."""
+
+    names = args.drafters.split(",")
+    engine_dir = args.engines
+    if engine_dir is None:
+        engine_dir = tmp
+        build_engines(args.verifier, tmp, args.draft if "model" in names else None,
+                      args.parallel_draft if "parallel" in names else None,
+                      self_draft_layers=args.self_draft_layers, max_k=max_k)
+    verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers,
+                                                   draft_threads=args.draft_threads)
+    missing = [n for n in names if n not in drafters]
+    if missing:
+        raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
+                         f"built: {', '.join(sorted(drafters))}")
+    return verifier, {n: drafters[n] for n in names}, manifest
+
+
+def run(args: argparse.Namespace) -> None:
+    backends = args.backends.split(",")
+    if not backends or any(b not in ("torch", "onnx") for b in backends):
+        raise ValueError(f"backends must be a comma list of torch, onnx; got {args.backends!r}")
+    ks = int_list(args.ks, "ks", 1, 16)
+    batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {args.repeats}")
+    prompts = eval_prompts(args)
+    rows = []
+    draft_precision = None  # of the onnx engines' drafting graphs
+    with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
+        for i, backend in enumerate(backends):
+            if backend == "torch":
+                verifier = load_model(args.verifier)
+                drafters = load_drafters(args, verifier, torch.float32)
+            else:
+                verifier, drafters, manifest = bench_engines(args, tmp, min(max(ks), MAX_K))
+                draft_precision = manifest.get("draft_precision", "float32")
+            # the transformers peers run once, with the first backend
+            hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
+            backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
+                                     batch_sizes, ks, hf_dirs, seed=args.seed,
+                                     temperature=args.temperature, repeats=args.repeats)
+            for r in backend_rows:  # the peers run transformers' own code on torch
+                r.backend = backend if r.system == "ours" else "torch"
+            rows += backend_rows
+    compare_hf(rows)  # every backend against the transformers peers (run once)
+    ratios = compare_backends(rows)
+    meta = {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+            "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
+            "verifier": args.verifier, "draft": args.draft,
+            "parallel_draft": args.parallel_draft, "temperature": args.temperature,
+            "backends": backends, "repeats": args.repeats, "vs_torch": ratios,
+            "onnx_draft_precision": draft_precision}
+    write_outputs(rows, Path(args.out), meta)
+    print_rows(rows)
+    print(json.dumps(summary(rows), indent=2))
+    if ratios:
+        print("tokens/s relative to the torch backend:", json.dumps(ratios, indent=2))
+    print(f"wrote {Path(args.out) / 'bench.json'} and bench.png")

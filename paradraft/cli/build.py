@@ -1,0 +1,98 @@
+"""``paradraft build``: an engine dir (ONNX, TensorRT or TensorRT-LLM) from HF checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from paradraft.build import onnx as onnx_build
+from paradraft.build import tensorrt as tensorrt_build
+from paradraft.build.trtllm import TrtllmJob, build_trtllm, draft_logits_for_rule
+from paradraft.runtime.checkpoints import DEMO_DIR
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.model import load_config
+
+from .common import add_rule_args, rule_params
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
+    p.add_argument("--verifier", default=None,
+                    help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
+    p.add_argument("--draft", default=None, help="HF-format dir of the draft model")
+    p.add_argument("--parallel-draft", default=None, help="HF-format dir (PARD-style draft)")
+    p.add_argument("--self-draft-layers", type=int, default=None,
+                    help="verifier layers of the self-draft graph (default: config or 1)")
+    p.add_argument("--backend", choices=["onnx", "tensorrt", "trtllm"], default="onnx")
+    p.add_argument("--out", default="engines", help="engine dir to write")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32"], default="float32")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32",
+                    help="math inside the TensorRT plans (--backend tensorrt; I/O stays fp32)")
+    p.add_argument("--draft-precision", choices=["int8", "float32"], default=None,
+                    help="weights of the drafting graphs (drafts, self-draft) for --backend "
+                         "onnx: int8 (default; the verifier decides, so output is unchanged) "
+                         "or float32; --backend tensorrt takes float32 (use --precision)")
+    add_rule_args(p)  # the rule defaults the correction graph carries
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.backend == "trtllm":
+        return run_trtllm(args)
+    if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
+        build_engines, options = tensorrt_build.build_engines, {"precision": args.precision}
+    else:
+        build_engines, options = onnx_build.build_engines, {}
+    if args.draft_precision is not None:  # else the backend's default (onnx int8, trt fp32)
+        options["draft_precision"] = args.draft_precision
+
+    verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
+    if verifier is None:  # no model arguments: the shipped demo set
+        verifier = DEMO_DIR / "verifier"
+        draft = draft or DEMO_DIR / "draft"
+        parallel = parallel or DEMO_DIR / "parallel_draft"
+    manifest = build_engines(
+        verifier, args.out, draft, parallel, self_draft_layers=args.self_draft_layers,
+        rule_defaults=rule_params(args), max_batch_size=args.max_batch_size, max_k=args.max_k,
+        max_seq_len=args.max_seq_len, dtype=args.dtype, **options)
+    print(f"wrote {Path(args.out) / 'manifest.json'} ({args.backend}): "
+          f"{', '.join(manifest['checksums'])}")
+
+
+# the CLI's --precision (the TensorRT backend's flag) names the engines' dtype here too
+PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def job_from_args(args: argparse.Namespace) -> tuple[TrtllmJob, RuleParams, Path | None]:
+    """The build the CLI's `build` arguments ask for (demo pair when no models are given)."""
+
+    if args.self_draft_layers is not None:
+        raise ValueError("--self-draft-layers: the trtllm backend has no self-draft engine")
+    verifier, draft = args.verifier, args.draft
+    if verifier is None:  # no model arguments: the shipped demo pair
+        verifier, draft = DEMO_DIR / "verifier", draft or DEMO_DIR / "draft"
+    if draft is None:
+        raise ValueError("--draft is required with --backend trtllm (the draft engine)")
+    precision = getattr(args, "precision", None)
+    dtype = PRECISION_DTYPES.get(precision, args.dtype)
+    rules = rule_params(args)
+    job = TrtllmJob(
+        verifier=Path(verifier), draft=Path(draft), out=Path(args.out),
+        verifier_type=load_config(verifier).model_type, draft_type=load_config(draft).model_type,
+        dtype=dtype, max_batch_size=args.max_batch_size, max_k=args.max_k,
+        max_seq_len=args.max_seq_len, use_draft_logits=draft_logits_for_rule(rules.rule))
+    return job, rules, Path(args.parallel_draft) if args.parallel_draft else None
+
+
+def run_trtllm(args: argparse.Namespace) -> None:
+    """`paradraft build --backend trtllm`."""
+    job, rules, parallel = job_from_args(args)
+    manifest = build_trtllm(job, rules, parallel)
+    print(json.dumps({"manifest": str(job.out / "manifest.json"),
+                      "triton_repo": str(job.out / "triton_repo"),
+                      "serve": str(job.out / "serve_trtllm.sh"),
+                      "files": list(manifest["checksums"])}, indent=2))

@@ -1,0 +1,106 @@
+"""Options and helpers that several subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from paradraft.runtime.checkpoints import DEMO_DIR, heldout_prompts, heldout_texts, load_tokenizer
+from paradraft.runtime.correction import RULES, RuleParams
+from paradraft.runtime.drafters import DRAFTERS, Drafter
+from paradraft.runtime.model import Transformer, load_model
+
+
+def rule_params(args: argparse.Namespace) -> RuleParams:
+    return RuleParams(
+        rule=args.rule, temperature=args.temperature, top_p=args.top_p, tau=args.tau,
+        gamma=args.gamma, alpha=args.alpha, top_p_membership=args.top_p_membership,
+        epsilon=args.epsilon, delta=args.delta,
+    )
+
+
+def add_draft_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                   help="ONNX Runtime intra-op threads of the drafting graphs (engine dirs; "
+                        "default 1: a draft call's nodes are too small to share)")
+
+
+def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--acceptance-floor", type=float, default=0.6, metavar="RATE",
+                   help="warn when the running acceptance rate falls below RATE, in [0, 1] "
+                        "(0: never; the acceptance-floor alert)")
+
+
+def add_rule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rule", choices=RULES, default="greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--tau", type=float, default=0.3, help="threshold τ / dynamic τ_base")
+    p.add_argument("--gamma", type=float, default=1.0, help="ratio rule γ")
+    p.add_argument("--alpha", type=float, default=0.1, help="dynamic rule α")
+    p.add_argument("--top-p-membership", action="store_true", help="dynamic rule top-p test")
+    p.add_argument("--epsilon", type=float, default=0.09, help="typical rule ε")
+    p.add_argument("--delta", type=float, default=0.3, help="typical rule δ")
+
+
+def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int,
+                        labels: tuple[str, str, str] = (
+                            "batch size", "prompt length + max_new_tokens", "k")) -> None:
+    limits = manifest["limits"]
+    for label, name, value in zip(labels, ("max_batch_size", "max_seq_len", "max_k"),
+                                  (batch_size, seq_len, k), strict=True):
+        if value > limits[name]:
+            raise ValueError(f"{label} must be <= {limits[name]} (the engines' {name}); "
+                             f"got {value}")
+
+
+def load_drafters(args: argparse.Namespace, verifier: Transformer, dtype: torch.dtype
+                  ) -> dict[str, Drafter]:
+    names = args.drafters.split(",")
+    for n in names:
+        if n not in DRAFTERS:
+            raise ValueError(f"drafters must be a comma list of {', '.join(DRAFTERS)}; got {n!r}")
+    drafters = {}
+    for n in names:
+        if n == "self":
+            drafters[n] = Drafter("self", verifier, num_layers=args.self_draft_layers)
+        else:
+            path = args.draft if n == "model" else args.parallel_draft
+            drafters[n] = Drafter(n, load_model(path, dtype=dtype))
+    return drafters
+
+
+def int_list(text: str, name: str, low: int, high: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of integers; got {text!r}") from None
+    if not values or any(not low <= v <= high for v in values):
+        raise ValueError(f"{name} values must be in [{low}, {high}]; got {text!r}")
+    return values
+
+
+def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
+    p.add_argument("--draft", default=str(DEMO_DIR / "draft"))
+    p.add_argument("--parallel-draft", default=str(DEMO_DIR / "parallel_draft"))
+    p.add_argument("--self-draft-layers", type=int, default=None)
+    p.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts per variant")
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=f"results/{name}", help="where the JSON (and plots) go")
+
+
+def eval_prompt_pairs(args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, held-out reference continuation ids) pairs."""
+
+    tokenizer = load_tokenizer(args.verifier)
+    texts = heldout_texts(args.heldout)
+    return heldout_prompts(tokenizer, texts, args.prompts, args.prompt_tokens, args.seed)
+
+
+def eval_prompts(args: argparse.Namespace) -> list[list[int]]:
+    return [p for p, _ in eval_prompt_pairs(args)]

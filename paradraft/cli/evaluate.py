@@ -1,0 +1,126 @@
+"""``paradraft eval`` and ``paradraft tune``: quality per rule against exact sampling, and a rule's
+parameter sweep with its speed/quality frontier."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from paradraft.runtime.correction import RuleParams, check_k, check_range
+from paradraft.runtime.model import load_model
+from paradraft.runtime.tools.evaluate import (
+    compare,
+    frontier,
+    heldout_perplexity,
+    measure,
+    print_table,
+    tune_grid,
+)
+
+from .common import add_eval_args, eval_prompt_pairs, load_drafters
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    for name, helptext in [("eval", "perplexity / diversity per rule vs exact"),
+                           ("tune", "sweep a rule's parameters: speed/quality frontier")]:
+        e = sub.add_parser(name, help=helptext)
+        add_eval_args(e, name)
+        e.add_argument("--drafters", default="model", help="the drafter to evaluate with")
+        e.add_argument("--k", type=int, default=4)
+        e.add_argument("--temperature", type=float, default=1.0)
+        e.add_argument("--top-p", type=float, default=1.0)
+        e.add_argument("--seeds", type=int, default=2)
+        e.add_argument("--batch-size", type=int, default=8)
+        e.add_argument("--budget", type=float, default=0.10,
+                       help="allowed perplexity increase vs exact (0.10 = +10%%)")
+        e.add_argument("--diversity-budget", type=float, default=0.10,
+                       help="allowed relative distinct-2 drop vs exact: perplexity alone "
+                            "rewards text collapsing into repetition")
+        if name == "tune":
+            e.add_argument("--rule", default="dynamic",
+                           choices=["dynamic", "threshold", "ratio", "typical"])
+        e.set_defaults(run=run_tune if name == "tune" else run)
+
+
+def run(args: argparse.Namespace, tune: bool = False) -> None:
+    for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
+        check_range(name, getattr(args, name), 1, 1e6)
+    check_k(args.k)
+    check_range("budget", args.budget, 0.0, 100.0)
+    check_range("diversity_budget", args.diversity_budget, 0.0, 1.0)
+    verifier = load_model(args.verifier)
+    drafter = load_drafters(args, verifier, torch.float32)[args.drafters.split(",")[0]]
+    pairs = eval_prompt_pairs(args)
+    prompts = [p for p, _ in pairs]
+    seeds = list(range(args.seeds))
+    common = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, seeds=seeds,
+                  batch_size=args.batch_size)
+    if tune:
+        settings = [dict(rule=args.rule, **kw) for kw in tune_grid(args.rule)]
+    else:
+        settings = [dict(rule=r, temperature=args.temperature, top_p=args.top_p)
+                    for r in ("greedy", "threshold", "ratio", "dynamic", "typical")]
+    # the flags set what a tune grid does not sweep (top_p for most rules)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+    measured = [(" ".join(f"{k}={v}" for k, v in kw.items()), RuleParams(**{**sampling, **kw}))
+                for kw in settings]
+    # a setting is compared against exact sampling at its own temperature and top_p with the
+    # same seeds: against another temperature's exact the change would be the temperature's.
+    # eval has one such pair; tune's grid sweeps them
+    references = list(dict.fromkeys((p.temperature, p.top_p) for _, p in measured))
+    baselines, rows = [], []
+    for temperature, top_p in references:
+        base_params = RuleParams("exact", temperature=temperature, top_p=top_p)
+        at = f" T={temperature} top_p={top_p}" if tune else ""
+        baseline = measure(verifier, None, base_params, 0,
+                           label="autoregressive (exact)" + at, **common)
+        group = [measure(verifier, drafter, base_params, args.k, label="exact (lossless)" + at,
+                         **common)]
+        group += [measure(verifier, drafter, params, args.k, label=label, **common)
+                  for label, params in measured
+                  if (params.temperature, params.top_p) == (temperature, top_p)]
+        compare([baseline, *group], group[0], baseline.tokens_per_second, args.budget,
+                args.diversity_budget)
+        print_table([baseline, *group],
+                    f"quality vs exact at temperature={temperature} top_p={top_p} (budget: "
+                    f"perplexity +{args.budget:.0%}, distinct-2 -{args.diversity_budget:.0%}; "
+                    f"{len(baseline.sequence_nll)} sequences per setting)")
+        low, high = baseline.ppl_change_interval
+        print(f"sampling noise: the two lossless samplers differ by "
+              f"{baseline.ppl_change_vs_exact:+.1%} [{low:+.1%}, {high:+.1%}] in perplexity; a "
+              "Δppl inside such an interval is not resolved by this many sequences\n")
+        baselines.append(baseline)
+        rows += group
+    heldout_ppl = heldout_perplexity(verifier, pairs, args.max_new_tokens)
+    print(f"held-out text: the verifier's perplexity on the prompts' reference continuations "
+          f"(cut to {args.max_new_tokens} tokens) is {heldout_ppl:.2f}: the reference point for "
+          "the perplexities of the generated text above")
+    result = {"heldout_text_perplexity": heldout_ppl, "rows": [asdict(r) for r in rows],
+              "budget": args.budget, "diversity_budget": args.diversity_budget}
+    if tune:
+        result["baselines"] = [asdict(b) for b in baselines]
+        front = frontier(rows)
+        ok = [r for r in rows if r.within_budget and r.rule == args.rule]
+        best = max(ok, key=lambda r: r.speedup) if ok else None
+        print_table(front, "speed/quality frontier (each Δ against the exact row at the "
+                    "setting's own temperature and top_p)")
+        print("best within budget:", best.label if best else "none")
+        result["frontier"] = [r.label for r in front]
+        result["best_within_budget"] = asdict(best) if best else None
+    else:
+        result["baseline"] = asdict(baselines[0])
+        result["passing"] = [r.label for r in rows if r.within_budget]
+        print("within the budget:", ", ".join(result["passing"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "tune.json" if tune else "eval.json"
+    (out / name).write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / name}")
+
+
+def run_tune(args: argparse.Namespace) -> None:
+    run(args, tune=True)

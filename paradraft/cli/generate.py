@@ -1,0 +1,142 @@
+"""``paradraft generate``: speculative generation for one prompt, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+from paradraft.runtime.drafters import DRAFTERS, Drafter
+from paradraft.runtime.model import Transformer, load_model
+from paradraft.runtime.speculative import SpeculativeDecoder
+
+from .common import (
+    add_acceptance_floor_arg,
+    add_draft_threads_arg,
+    add_rule_args,
+    check_engine_limits,
+    rule_params,
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="speculative generation for one prompt")
+    add_model_args(p)
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"), help="HF-format dir")
+    p.add_argument("--draft", default=None,
+                   help="HF-format dir (default: the demo draft for --drafter model, "
+                        "the demo parallel_draft for --drafter parallel)")
+    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+    p.add_argument("--self-draft-layers", type=int, default=None,
+                   help="verifier layers the self-draft uses (default: config or 1)")
+    p.add_argument("--engines", default=None,
+                   help="engine dir from `paradraft build` (ONNX Runtime backend) instead of "
+                        "--verifier/--draft")
+    add_draft_threads_arg(p)
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (K)")
+    p.add_argument("--adaptive-k", action="store_true", help="per-row K in [1, --k]")
+    add_rule_args(p)
+    p.add_argument("--audit-epsilon", type=float, default=None,
+                   help="enable the attention causal audit with this ε")
+    add_acceptance_floor_arg(p)
+    p.add_argument("--no-speculation", action="store_true",
+                   help="plain autoregressive decoding of the verifier (the baseline)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
+                  ) -> tuple[SpeculativeDecoder, Transformer]:
+    if args.engines:
+        verifier, drafter = engine_models(args, max_batch_size, max_seq_len)
+        return SpeculativeDecoder(
+            verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
+            audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
+        ), verifier
+    dtype = getattr(torch, args.dtype)
+    verifier = load_model(args.verifier, dtype=dtype)
+    drafter = None
+    if not args.no_speculation:
+        if args.drafter == "self":
+            drafter = Drafter("self", verifier, num_layers=args.self_draft_layers)
+        else:
+            default = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel" else "draft")
+            drafter = Drafter(args.drafter, load_model(args.draft or default, dtype=dtype))
+    decoder = SpeculativeDecoder(
+        verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
+        audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
+    )
+    return decoder, verifier
+
+
+def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
+                  ) -> tuple[object, Drafter | None]:
+    """The verifier engine and the requested drafter from ``--engines`` (ONNX Runtime)."""
+
+    if args.dtype != "float32":
+        raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
+    if args.audit_epsilon is not None:
+        raise ValueError("--audit-epsilon (the attention causal audit) is not supported with "
+                         "--engines (ONNX Runtime); use --verifier/--draft (torch)")
+    verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers,
+                                                   draft_threads=args.draft_threads)
+    k = 0 if args.no_speculation else args.k
+    check_engine_limits(manifest, max_batch_size, max_seq_len, k)
+    if args.no_speculation:
+        return verifier, None
+    if args.drafter not in drafters:
+        raise ValueError(f"drafter {args.drafter!r} was not built into {args.engines}; "
+                         f"built: {', '.join(sorted(drafters))}")
+    return verifier, drafters[args.drafter]
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.prompt_ids:
+        prompt = [int(t) for t in args.prompt_ids.split(",")]
+        tokenizer = None
+    else:
+        tokenizer = load_tokenizer(args.engines or args.verifier)
+        prompt = tokenizer.encode(args.prompt).ids
+    decoder, verifier = build_decoder(args, 1, len(prompt) + args.max_new_tokens)
+    eos = None if args.ignore_eos else verifier.config.eos_token_id
+    out: list[int] = []
+    row_stats: list = []
+    stream = decoder.stream([prompt], args.max_new_tokens, args.seed, eos, row_stats)
+    printed = ""
+    for step in stream:
+        out.extend(step[0])
+        if not args.json and tokenizer is not None:
+            text = tokenizer.decode(out)
+            # print only what is stable (an incomplete multi-byte char decodes to U+FFFD)
+            stable = text.rstrip("\ufffd")
+            sys.stdout.write(stable[len(printed):])
+            sys.stdout.flush()
+            printed = stable
+    text = tokenizer.decode(out) if tokenizer is not None else None
+    stats = row_stats[0]
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": out, "stats": stats.to_dict()}))
+        return
+    if tokenizer is None:
+        print(out)
+    else:
+        sys.stdout.write(text[len(printed):] + "\n")
+    s = stats
+    print(f"\n[{s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
+          f"acceptance {s.acceptance_rate:.2f}, mean acceptance length "
+          f"{s.mean_acceptance_length:.2f}, verify steps {s.verify_steps}]", file=sys.stderr)

@@ -1,0 +1,23 @@
+"""paradraft: speculative decoding with a draft model and causal correction."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import bench, build, demo, evaluate, generate, loadtest, query, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="paradraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in (generate, bench, build, evaluate, serve, demo, loadtest, query):
+        command.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        parser.exit(2, f"paradraft: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

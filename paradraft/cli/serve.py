@@ -1,0 +1,164 @@
+"""``paradraft serve``: Triton Inference Server with the speculative model; the server options
+and process handling that ``demo`` and ``loadtest`` share."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from paradraft.runtime.backends.manifest import read_manifest
+from paradraft.runtime.checkpoints import DEMO_DIR
+from paradraft.runtime.correction import RULES
+from paradraft.runtime.drafters import DRAFTERS
+from paradraft.runtime.k_policy import parse_draft_len_schedule
+from paradraft.runtime.model import load_config
+from paradraft.runtime.serving.protocol import ServeConfig
+from paradraft.runtime.serving.server import start_server
+
+from .common import add_acceptance_floor_arg, add_draft_threads_arg, check_engine_limits
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
+    add_server_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--workdir", type=Path, default=None, help="where the repository goes")
+    p.set_defaults(run=run)
+
+
+def add_server_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
+    s.add_argument("--draft", default=None)
+    s.add_argument("--drafter", choices=DRAFTERS, default="model")
+    s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
+    add_draft_threads_arg(s)
+    add_acceptance_floor_arg(s)
+    s.add_argument("--k", type=int, default=None,
+                   help="draft tokens per round (default: 4, at most the engines' max_k)")
+    s.add_argument("--rule", choices=RULES, default=None,
+                   help="default rule (default: the engines' manifest, else greedy)")
+    s.add_argument("--max-slots", type=int, default=None,
+                   help="KV-cache slots, the batch (default: the engines' max_batch_size, "
+                   "else 16)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot")
+    s.add_argument("--max-seq-len", type=int, default=None,
+                   help="default: the engines' max_seq_len, else 512")
+    s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   metavar="N", help="rounds with >= N running requests decode without "
+                   "drafts (a saturated device gains nothing from speculation)")
+    s.add_argument("--draft-len-schedule", type=schedule_arg, default=None,
+                   metavar="auto|SIZE:K,...", help="K by running batch size, as "
+                   "TensorRT-LLM's draft_len_schedule (1:4,4:2,8:0 = K 4 below 4 requests, "
+                   "2 below 8, none from 8), or 'auto': per round the K of most expected "
+                   "tokens/s from the running acceptance and round times measured at start")
+    s.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="streamed responses after the first carry at least N new tokens "
+                   "(fewer responses through the ensemble: more throughput, coarser "
+                   "streaming)")
+
+
+def schedule_arg(text: str) -> dict[int, int] | str:
+    try:
+        return parse_draft_len_schedule(text)
+    except ValueError as e:  # argparse shows this message, naming the option
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def serve_config(args: argparse.Namespace):
+    """The server's settings. With ``--engines`` the manifest supplies what the options leave
+    unset (slots, sequence length, rule and sampling defaults) and bounds what they set."""
+
+    verifier = args.verifier
+    if args.engines:
+        manifest = read_manifest(args.engines, verify=False)  # the server process verifies
+        limits, defaults = manifest["limits"], dict(manifest["rule_defaults"])
+        max_slots = limits["max_batch_size"] if args.max_slots is None else args.max_slots
+        max_seq_len = limits["max_seq_len"] if args.max_seq_len is None else args.max_seq_len
+        k = min(4, limits["max_k"]) if args.k is None else args.k
+        check_engine_limits(manifest, max_slots, max_seq_len, k,
+                            ("max_slots", "max_seq_len", "k"))
+        eos = manifest["models"]["verifier"]["config"]["eos_token_id"]
+    else:
+        defaults = {}
+        max_slots = 16 if args.max_slots is None else args.max_slots
+        max_seq_len = 512 if args.max_seq_len is None else args.max_seq_len
+        k = 4 if args.k is None else args.k
+        eos = load_model_config_eos(verifier)
+    manifest_rule = defaults.pop("rule", "greedy")
+    rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
+    temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
+    draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
+                                          else "draft"))
+    return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
+                       engines=args.engines, k=k, max_slots=max_slots,
+                       max_queue=args.max_queue, max_seq_len=max_seq_len,
+                       max_input_tokens=max_seq_len - 1, rule=rule, temperature=temperature,
+                       top_p=top_p, rule_defaults=defaults, eos_token_id=eos,
+                       disable_by_batch_size=args.speculative_disable_by_batch_size,
+                       draft_len_schedule=args.draft_len_schedule,
+                       stream_interval=args.stream_interval, draft_threads=args.draft_threads,
+                       acceptance_floor=args.acceptance_floor)
+
+
+def load_model_config_eos(model_dir: str) -> int | None:
+    return load_config(model_dir).eos_token_id
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as SIGINT does, so the ``finally`` that stops
+    tritonserver runs for both; tritonserver has its own session and never sees them."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_server(args: argparse.Namespace, config):
+    """Start a server with ``config`` (``serve_config(args)``) on free local ports for demo /
+    loadtest (stopped by the caller)."""
+
+    tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
+    interrupt_on_sigterm()  # the caller's `finally` stops the server
+    print("paradraft: starting tritonserver ...", file=sys.stderr, flush=True)
+    return start_server(config, tokenizer, grpc_port=free_port(), http_port=free_port(),
+                        metrics_port=free_port())
+
+
+def run(args: argparse.Namespace) -> None:
+    config = serve_config(args)
+    tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
+    if not Path(tokenizer).is_file():
+        raise FileNotFoundError(f"missing {tokenizer}")
+    interrupt_on_sigterm()
+    try:  # start_server stops the process itself if interrupted before it is ready
+        server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
+                              http_port=args.http_port, metrics_port=args.metrics_port,
+                              workdir=args.workdir)
+    except KeyboardInterrupt:
+        print("paradraft: interrupted before tritonserver was ready; stopped it", flush=True)
+        return
+    try:  # the ready line is inside: a signal that lands while it prints still stops the server
+        print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
+              f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}"
+              f"/metrics (log {server.log})", flush=True)
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
+    print(f"paradraft: tritonserver stopped ({code})", flush=True)

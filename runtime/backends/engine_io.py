@@ -1,0 +1,119 @@
+"""Engine I/O, shared by the ONNX Runtime and TensorRT backends and the engine builders.
+
+The step graph's inputs, the write-back of a step's K/V into the ``KVCache``, the correction
+graph's extra inputs, and the ``CausalCorrection`` op's name and attributes (the ONNX custom
+op and the TensorRT plugin share them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..correction import Randoms, RuleParams
+from ..model import KVCache
+
+DOMAIN = "paradraft"  # custom-op domain = TensorRT plugin namespace
+OP_TYPE = "CausalCorrection"  # = TensorRT plugin name
+PLUGIN_VERSION = "1"
+FLOAT_PARAMS = ("temperature", "top_p", "tau", "gamma", "alpha", "epsilon", "delta")
+
+
+def _attr_float(value: float) -> float:
+    """ONNX float attributes are float32: recover the decimal the builder wrote (0.3, not
+    0.30000001192…) so the op applies exactly the RuleParams that ``correct()`` gets."""
+    return float(str(np.float32(value)))
+
+
+def params_from_attributes(attrs: dict) -> RuleParams:
+    return RuleParams(rule=attrs["rule"], top_p_membership=bool(attrs["top_p_membership"]),
+                      **{name: _attr_float(attrs[name]) for name in FLOAT_PARAMS})
+
+
+def rule_attributes(params: RuleParams) -> dict:
+    """The CausalCorrection node attributes (= TensorRT plugin fields) for ``params``."""
+    attrs = {"rule": params.rule, "plugin_version": PLUGIN_VERSION, "plugin_namespace": DOMAIN,
+             "top_p_membership": int(params.top_p_membership)}
+    attrs.update({name: float(getattr(params, name)) for name in FLOAT_PARAMS})
+    return attrs
+
+
+def set_rule(model, params: RuleParams) -> None:
+    """Rewrite the CausalCorrection node's rule attributes in place (a ModelProto)."""
+    from onnx import helper
+
+    nodes = [n for n in model.graph.node if n.op_type == OP_TYPE and n.domain == DOMAIN]
+    if len(nodes) != 1:
+        raise ValueError(f"expected one {DOMAIN}::{OP_TYPE} node; found {len(nodes)}")
+    node = nodes[0]
+    del node.attribute[:]
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in
+                          sorted(rule_attributes(params).items()))
+
+
+def accepted_block(draft_tokens: Tensor, num_accepted: Tensor, next_token: Tensor) -> Tensor:
+    """[B, K+1]: the accepted drafts, then the rule's token at index num_accepted, then -1."""
+    K = draft_tokens.shape[1]
+    block = torch.cat([draft_tokens, next_token[:, None]], 1)
+    block.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return block.masked_fill(torch.arange(K + 1, device=block.device) > num_accepted[:, None], -1)
+
+
+def step_inputs(tokens: Tensor, input_pos: Tensor, cache: KVCache, kv_len: int | None,
+                rows: Tensor | None, output_index: Tensor | None, n: int, reach: int = 0
+                ) -> dict[str, Tensor]:
+    """The step graph's inputs (the ONNX export's names), on the tokens' device; kv_len
+    stays a host scalar (TensorRT reads shape-tensor inputs from host memory). ``reach``:
+    positions the graph writes past max(input_pos) (a fused draft graph's later steps)."""
+    B, T = tokens.shape
+    dev = tokens.device
+    L = cache.max_seq_len
+    kv_len = L if kv_len is None else min(kv_len, L)
+    # the graph needs max(input_pos) + reach < kv_len; on the GPU checking it would sync
+    # every step, and the decoder's host-side bound guarantees it, so only CPU tensors are
+    # checked
+    if dev.type == "cpu" and input_pos.numel() and int(input_pos.max()) + reach >= kv_len:
+        plus = f" + {reach}" if reach else ""
+        raise ValueError(f"kv_len must be > max(input_pos){plus} = "
+                         f"{int(input_pos.max()) + reach} (an upper bound of the positions, "
+                         f"<= {L}); got {kv_len}")
+    k0 = cache.k[0]
+    if k0.dtype != torch.float32 or not k0.is_contiguous() or k0.device != dev:
+        raise ValueError(f"cache must be contiguous float32 on {dev} (new_kv_cache) for the "
+                         f"engine backends; got {k0.dtype} on {k0.device}")
+    if rows is None:
+        rows = torch.arange(B, device=dev)
+    if output_index is None:
+        output_index = torch.arange(T, device=dev).expand(B, T)
+    inputs = {"tokens": tokens.long().contiguous(), "input_pos": input_pos.long().contiguous(),
+              "rows": rows.long().contiguous(), "output_index": output_index.long().contiguous(),
+              "kv_len": torch.tensor(kv_len)}
+    for i in range(n):
+        inputs[f"past_k_{i}"] = cache.k[i]
+        inputs[f"past_v_{i}"] = cache.v[i]
+    return inputs
+
+
+def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_pos: Tensor
+               ) -> None:
+    """This step's K/V into the cache at (row, position), in place: Transformer.forward's
+    writes (on the GPU, queued on the current stream after the plan)."""
+    index = (rows[:, None], input_pos)
+    for i in range(len(new_kv) // 2):
+        cache.k[i].index_put_(index, new_kv[f"new_k_{i}"])
+        cache.v[i].index_put_(index, new_kv[f"new_v_{i}"])
+
+
+def correction_inputs(B: int, randoms: Randoms | None, draft_probs: Tensor | None,
+                      num_drafted: Tensor | None, device: torch.device) -> dict[str, Tensor]:
+    """The correction graph's extra inputs; absent (None) ones travel as empty tensors."""
+    if randoms is None:  # greedy: no random numbers
+        randoms = Randoms(torch.empty(B, 0, device=device), torch.empty(B, 0, device=device))
+    probs = torch.empty(B, 0, 0, device=device) if draft_probs is None else draft_probs
+    drafted = (torch.empty(0, dtype=torch.long, device=device) if num_drafted is None
+               else num_drafted)
+    return {"draft_probs": probs.float().contiguous(),
+            "accept_uniforms": randoms.accept_uniforms.float().contiguous(),
+            "sample_noise": randoms.sample_noise.float().contiguous(),
+            "num_drafted": drafted.long().contiguous()}

@@ -1,0 +1,67 @@
+"""Load an engine dir (``paradraft build``) from its manifest alone: the verifier engine and
+the drafters it was built with. The CLI and the Triton model both start here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..drafters import DRAFTERS, Drafter
+from ..model import ModelConfig
+from .manifest import read_manifest
+from .ort import OrtModel
+from .trt import load_trt_model
+
+
+def load_engines(
+    engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
+    draft_threads: int | None = 1,
+) -> tuple[object, dict[str, Drafter], Path | None, dict]:
+    """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
+    manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
+
+    ``threads``: ONNX Runtime intra-op threads of the verifier (default: torch's);
+    ``draft_threads``: of every drafting graph (None: ``threads``). One by default: a draft
+    call is a few hundred tiny nodes, and waking a second (non-spinning) worker for them
+    costs more than it saves (docs/results.md)."""
+    if draft_threads is not None and (not isinstance(draft_threads, int)
+                                      or isinstance(draft_threads, bool) or draft_threads < 1):
+        raise ValueError(f"draft_threads must be an integer >= 1 or None; got {draft_threads!r}")
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    if manifest["backend"] not in ("onnx", "tensorrt"):
+        raise ValueError(f"{engine_dir}: backend {manifest['backend']!r} is not supported by "
+                         "this runtime; supported: onnx, tensorrt")
+    def engine(name: str, threads: int | None = threads) -> OrtModel:
+        if manifest["backend"] == "tensorrt":  # plans next to the ONNX graphs, on the GPU
+            return load_trt_model(engine_dir, manifest, name)
+        m = manifest["models"][name]
+        graphs = {None: engine_dir / m["graphs"]["logits"]["file"]}
+        if "self_draft" in m["graphs"]:
+            g = m["graphs"]["self_draft"]
+            graphs[g["num_layers"]] = engine_dir / g["file"]
+        correction = m["graphs"].get("correction")
+        # fused k-step draft graphs (roles draft_steps<k>, self_draft_steps<k>), if built
+        draft_steps = {(g.get("num_layers"), g["k"]): engine_dir / g["file"]
+                       for role, g in m["graphs"].items() if role.startswith(
+                           ("draft_steps", "self_draft_steps"))}
+        return OrtModel(ModelConfig(**m["config"]), graphs,
+                        engine_dir / correction["file"] if correction else None, threads,
+                        draft_steps, draft_threads)
+
+    verifier = engine("verifier")
+    drafters: dict[str, Drafter] = {}
+    built_kinds = manifest["drafters"]
+    for kind in sorted(built_kinds, key=DRAFTERS.index):  # model, parallel, self
+        name = built_kinds[kind]
+        if kind == "self":
+            built = manifest["models"]["verifier"]["graphs"]["self_draft"]["num_layers"]
+            if self_draft_layers not in (None, built):
+                raise ValueError(f"self_draft_layers must be {built} for the engines in "
+                                 f"{engine_dir} (rebuild with --self-draft-layers); "
+                                 f"got {self_draft_layers}")
+            drafters[kind] = Drafter("self", verifier, num_layers=built)
+        else:
+            # a separate draft engine only drafts
+            drafters[kind] = Drafter(kind, engine(name, draft_threads or threads))
+    tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
+    return verifier, drafters, tokenizer, manifest

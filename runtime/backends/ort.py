@@ -1,0 +1,282 @@
+"""ONNX Runtime backend: the engine interface of ``Transformer`` over exported graphs.
+
+``OrtModel`` has ``.config``, ``.dtype``, ``.device`` and ``__call__`` with the signature and
+semantics of ``Transformer.forward``, reading and writing the same ``KVCache`` of torch CPU
+tensors, so ``SpeculativeDecoder`` runs on it unchanged. Every tensor crosses into ONNX
+Runtime by pointer (IO binding of the torch tensors' memory): the cache is bound as it is,
+outputs land in torch tensors allocated per call at their exact (small) size, and the only
+cache writes are this step's K/V at (rows, input_pos) — the same index_put torch does.
+
+``CausalCorrection`` (domain ``paradraft``) runs here as an onnxruntime-extensions Python op
+that calls ``correction.correct``: the one implementation of the rules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..correction import Randoms, RuleParams, correct
+from ..model import KVCache, ModelConfig
+from .engine_io import (
+    DOMAIN,
+    FLOAT_PARAMS,
+    OP_TYPE,
+    accepted_block,
+    correction_inputs,
+    params_from_attributes,
+    set_rule,
+    step_inputs,
+    write_back,
+)
+
+_NP_TYPES = {torch.float32: np.float32, torch.int64: np.int64}
+_op_registered = False
+last_op_error: str | None = None  # the CausalCorrection kernel's last failure
+
+
+def causal_correction(logits: np.ndarray, draft_tokens: np.ndarray, draft_probs: np.ndarray,
+                      accept_uniforms: np.ndarray, sample_noise: np.ndarray,
+                      num_drafted: np.ndarray, **attrs) -> tuple[np.ndarray, ...]:
+    """The CausalCorrection kernel. Empty tensors stand for ``correct()``'s ``None``: an empty
+    ``draft_probs`` is a greedy (one-hot) draft, an empty ``num_drafted`` means every row
+    drafted all K tokens, and empty ``accept_uniforms`` / ``sample_noise`` mean no random
+    numbers (enough for ``greedy``; the sampling rules refuse it).
+
+    A Python exception escaping a PyOp aborts the whole process (onnxruntime-extensions
+    0.15), so errors are caught here: the outputs are filled with -1 and the message is kept
+    in ``last_op_error`` for the caller (``OrtModel.verify_and_correct``) to raise."""
+    global last_op_error
+    B, K = draft_tokens.shape
+    try:
+        params = params_from_attributes(attrs)
+        # the extension hands over arrays it owns (copies of ORT's inputs): wrap, don't copy
+        t = torch.from_numpy
+        drafts = t(draft_tokens)
+        probs = t(draft_probs) if draft_probs.size else None
+        drafted = t(num_drafted) if num_drafted.size else None
+        randoms = None
+        if accept_uniforms.size or sample_noise.size:
+            randoms = Randoms(t(accept_uniforms), t(sample_noise))
+        num_accepted, next_token = correct(t(logits), drafts, probs, params, randoms, drafted)
+        block = accepted_block(drafts, num_accepted, next_token)
+        last_op_error = None
+        return num_accepted.numpy(), next_token.numpy(), block.numpy()
+    except Exception as e:  # see the docstring: never let it reach C++
+        last_op_error = f"{type(e).__name__}: {e}"
+        failed = np.full(B, -1, dtype=np.int64)
+        return failed, failed.copy(), np.full((B, K + 1), -1, dtype=np.int64)
+
+
+def register_correction_op() -> str:
+    """Register CausalCorrection with onnxruntime-extensions (once); return the custom-op
+    library path to pass to ``SessionOptions.register_custom_ops_library``."""
+    global _op_registered
+    from onnxruntime_extensions import PyOp, get_library_path, onnx_op
+
+    if not _op_registered:
+        f, i64, s = PyOp.dt_float, PyOp.dt_int64, PyOp.dt_string
+        attrs = {"rule": s, "top_p_membership": i64, "plugin_version": s,
+                 "plugin_namespace": s, **dict.fromkeys(FLOAT_PARAMS, f)}
+        # "domain::op" registers the op under our own domain (not ai.onnx.contrib)
+        onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f, i64, f, f, f, i64],
+                outputs=[i64, i64, i64], attrs=attrs)(causal_correction)
+        _op_registered = True
+    return get_library_path()
+
+
+def session_options(threads: int | None = None, custom_ops: bool = False):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # match torch's thread count: the decoder's torch ops and ORT take turns on the cores
+    so.intra_op_num_threads = threads or torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    # workers spin-wait between the nodes of a run (a blocked worker's wake-up costs more
+    # than a small node; measured on 2 cores: the verifier 2.25 -> 1.75 ms per call) but
+    # stop when the run ends: the decoder's torch ops and the other graphs run between ORT
+    # calls, and workers spinning there took their cores (2.5x fewer speculative tok/s)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+    if custom_ops:
+        so.register_custom_ops_library(register_correction_op())
+    return so
+
+
+class Graph:
+    """One ORT session run with IO binding over torch CPU tensors."""
+
+    def __init__(self, path: str | Path | bytes, threads: int | None = None,
+                 custom_ops: bool = False):
+        import onnxruntime as ort
+
+        model = path if isinstance(path, bytes) else str(path)
+        self.session = ort.InferenceSession(model, session_options(threads, custom_ops),
+                                            providers=["CPUExecutionProvider"])
+        # one binding, rebound per call: a Graph (and so an OrtModel) serves one thread
+        self.binding = self.session.io_binding()
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Bind every tensor's memory (no copies) and run; outputs are written in place."""
+        b = self.binding
+        for name, t in inputs.items():
+            b.bind_input(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        for name, t in outputs.items():
+            b.bind_output(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(b)
+
+
+class OrtModel:
+    """An exported model (its step graphs by layer count) behind the Transformer interface.
+
+    graphs: {None: full step graph, N: first-N-layers graph, ...}; correction: the verifier
+    graph ending in CausalCorrection (optional); draft_steps: {(num_layers or None, k): fused
+    k-step greedy draft graph} (optional, ``greedy_drafts``). Sessions are created on first
+    use. ``threads``: ONNX Runtime intra-op threads of the full graph (default: torch's);
+    ``draft_threads``: of the drafting graphs (first-N-layers, fused draft steps; default:
+    ``threads``).
+    """
+
+    def __init__(self, config: ModelConfig, graphs: dict[int | None, str | Path],
+                 correction: str | Path | None = None, threads: int | None = None,
+                 draft_steps: dict[tuple[int | None, int], str | Path] | None = None,
+                 draft_threads: int | None = None):
+        self.config = config
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.graph_paths = dict(graphs)
+        self.correction_path = correction
+        # resolved now, not when a session is first made: the decoder runs its own torch
+        # ops on one thread (speculative.glue_threads), inside which sessions get created
+        self.threads = threads or torch.get_num_threads()
+        self.draft_threads = self.threads if draft_threads is None else draft_threads
+        self.draft_step_paths = dict(draft_steps or {})
+        self._graphs: dict[int | None, Graph] = {}
+        self._corrections: dict[RuleParams, Graph] = {}
+        self._draft_steps: dict[tuple[int | None, int], Graph] = {}
+
+    def single_step(self) -> OrtModel:
+        """This engine without its fused draft graphs: k single-step calls per block, the
+        reference the fused graphs are tested and benchmarked against."""
+        return OrtModel(self.config, self.graph_paths, self.correction_path, self.threads,
+                        draft_threads=self.draft_threads)
+
+    def _graph(self, num_layers: int | None) -> Graph:
+        if num_layers not in self._graphs:
+            if num_layers not in self.graph_paths:
+                built = sorted(n for n in self.graph_paths if n is not None)
+                raise ValueError(f"num_layers={num_layers}: no graph for it in this engine "
+                                 f"(self-draft graphs built for num_layers in {built}; "
+                                 "rebuild with --self-draft-layers)")
+            threads = self.threads if num_layers is None else self.draft_threads
+            self._graphs[num_layers] = Graph(self.graph_paths[num_layers], threads)
+        return self._graphs[num_layers]
+
+    def _new_kv(self, B: int, T: int, n: int) -> dict[str, Tensor]:
+        # views into one buffer: one allocation per step
+        c = self.config
+        buf = torch.empty(2 * n, B, T, c.n_kv_heads, c.head_dim)
+        return {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
+                for j, kv in enumerate(("k", "v"))}
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache: KVCache,
+        kv_len: int | None = None,
+        rows: Tensor | None = None,
+        output_index: Tensor | None = None,
+        num_layers: int | None = None,
+        audit: bool = False,
+    ) -> tuple[Tensor, None]:
+        """As ``Transformer.forward``: returns (logits [B, T or T', V] fp32, None)."""
+        if audit:
+            raise ValueError("audit=True (the attention causal audit, --audit-epsilon) is not "
+                             "supported on the ONNX Runtime backend; use the torch backend")
+        c = self.config
+        n = c.n_layers if num_layers is None else min(num_layers, c.n_layers)
+        graph = self._graph(None if n == c.n_layers else n)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
+        B = tokens.shape[0]
+        logits = torch.empty(B, inputs["output_index"].shape[1], c.vocab_size)
+        new_kv = self._new_kv(B, tokens.shape[1], n)
+        graph.run(inputs, {"logits": logits, **new_kv})
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
+        return logits, None
+
+    def greedy_drafts(self, tokens: Tensor, input_pos: Tensor, cache: KVCache, k: int,
+                      kv_len: int | None = None, rows: Tensor | None = None,
+                      num_layers: int | None = None) -> Tensor | None:
+        """``k`` greedy draft steps in one call of the fused graph: step 0 over ``tokens``
+        (the window ending in the newest token), each later one over the previous draft at
+        the next position. Writes the K/V of every fed token into ``cache``, as k calls
+        would, and returns the drafts [B, k]; None when the engine has no fused graph for
+        (num_layers, k)."""
+        c = self.config
+        n = c.n_layers if num_layers is None else min(num_layers, c.n_layers)
+        key = (None if n == c.n_layers else n, k)
+        if key not in self.draft_step_paths:
+            return None
+        if key not in self._draft_steps:
+            self._draft_steps[key] = Graph(self.draft_step_paths[key], self.draft_threads)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, n, reach=k - 1)
+        del inputs["output_index"]
+        B, T = tokens.shape
+        drafts = torch.empty(B, k, dtype=torch.int64)
+        new_kv = self._new_kv(B, T + k - 1, n)
+        self._draft_steps[key].run(inputs, {"draft_tokens": drafts, **new_kv})
+        fed_pos = torch.cat([inputs["input_pos"],
+                             inputs["input_pos"][:, -1:] + torch.arange(1, k)], 1)
+        write_back(cache, new_kv, inputs["rows"], fed_pos)
+        return drafts
+
+    # -- the verifier + CausalCorrection graph ---------------------------------------------
+
+    def correction_graph(self, params: RuleParams) -> Graph:
+        """The correction graph with ``params`` as its node attributes (one session each)."""
+        if self.correction_path is None:
+            raise ValueError("this engine has no correction graph (only the verifier has one)")
+        if params not in self._corrections:
+            import onnx
+
+            model = onnx.load(str(self.correction_path))
+            set_rule(model, params)
+            self._corrections[params] = Graph(model.SerializeToString(), self.threads,
+                                              custom_ops=True)
+        return self._corrections[params]
+
+    def verify_and_correct(
+        self,
+        tokens: Tensor,
+        input_pos: Tensor,
+        cache: KVCache,
+        params: RuleParams,
+        randoms: Randoms | None,
+        draft_probs: Tensor | None = None,
+        num_drafted: Tensor | None = None,
+        kv_len: int | None = None,
+        rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One verify pass over [newest, d_1 … d_K] that returns only (num_accepted [B],
+        next_token [B], accepted_tokens [B, K+1]) — the logits stay inside the graph."""
+        c = self.config
+        graph = self.correction_graph(params)
+        inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)
+        B, T = tokens.shape
+        inputs.update(correction_inputs(B, randoms, draft_probs, num_drafted, tokens.device))
+        num_accepted = torch.empty(B, dtype=torch.int64)
+        next_token = torch.empty(B, dtype=torch.int64)
+        accepted = torch.empty(B, T, dtype=torch.int64)
+        new_kv = self._new_kv(B, T, c.n_layers)
+        graph.run(inputs, {"num_accepted": num_accepted, "next_token": next_token,
+                           "accepted_tokens": accepted, **new_kv})
+        if last_op_error is not None and bool((num_accepted < 0).any()):
+            raise ValueError(f"{OP_TYPE} failed: {last_op_error}")
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
+        return num_accepted, next_token, accepted

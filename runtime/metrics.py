@@ -1,0 +1,152 @@
+"""Speculation metrics (named as vLLM names them), generation results, and the
+acceptance-floor alert."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("paradraft")
+
+
+@dataclass
+class AcceptanceMonitor:
+    """The acceptance-floor alert: warn when the running acceptance rate falls below ``floor``.
+
+    The rate is taken over roughly the last ``window`` drafted tokens (exponential decay);
+    it warns once per crossing and again only after it has recovered to ``floor +
+    hysteresis`` (at most halfway from the floor to 1): a rate that hovers at the floor
+    would otherwise warn every few rounds."""
+
+    floor: float = 0.6
+    window: int = 512
+    min_drafted: int = 64
+    hysteresis: float = 0.05
+    drafted: float = 0.0
+    accepted: float = 0.0
+    reached: float = 0.0  # draft positions reached: accepted + rejections
+    alerting: bool = False
+    alerts: int = 0
+
+    @property
+    def alpha(self) -> float:
+        """Running per-token acceptance P(accept | position reached) (Leviathan's α), with a
+        prior of 1/2 worth two positions, so that it starts, and relaxes back, at 0.5."""
+        return (self.accepted + 1.0) / (self.reached + 2.0)
+
+    @property
+    def alpha_optimistic(self) -> float:
+        """α plus an uncertainty bonus that shrinks with the evidence (an upper confidence
+        bound): with little evidence a policy keeps drafting, so it keeps measuring."""
+        return min(1.0, self.alpha + 0.5 / (self.reached + 2.0) ** 0.5)
+
+    def relax(self, factor: float) -> None:
+        """Fade the evidence (rounds without drafts): α drifts back to the prior, so a policy
+        that stopped drafting on a low α tries again later."""
+        self.drafted *= factor
+        self.accepted *= factor
+        self.reached *= factor
+
+    def update(self, drafted: int, accepted: int, reached: int | None = None) -> None:
+        if not drafted:
+            return
+        decay = max(0.0, 1.0 - drafted / self.window)
+        self.drafted = self.drafted * decay + drafted
+        self.accepted = self.accepted * decay + accepted
+        self.reached = self.reached * decay + (drafted if reached is None else reached)
+        rate = self.accepted / self.drafted
+        if self.drafted >= self.min_drafted and rate < self.floor and not self.alerting:
+            self.alerting = True
+            self.alerts += 1
+            log.warning("running acceptance rate %.3f fell below the floor %.3f", rate,
+                        self.floor)
+        # re-arm past the hysteresis, capped halfway to 1 so that a floor near 1 re-arms too
+        elif rate >= self.floor + min(self.hysteresis, (1.0 - self.floor) / 2):
+            self.alerting = False
+
+
+@dataclass
+class SpecStats:
+    """Speculation metrics, named as vLLM names them."""
+
+    num_drafts: int = 0  # verify steps that carried at least one draft token
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    rollbacks: int = 0  # verify steps that rejected a draft token
+    causal_leaks: int = 0  # verify steps cut short by the attention audit
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    correct_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step, the bonus/correction token included."""
+        return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in
+                zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_time if self.total_time else 0.0
+
+    def to_dict(self) -> dict:
+        busy = self.draft_time + self.verify_time + self.correct_time
+        return {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "generated_tokens": self.generated_tokens,
+            "rollbacks": self.rollbacks,
+            "causal_leaks": self.causal_leaks,
+            "per_position_acceptance": self.per_position_acceptance,
+            "tokens_per_second": self.tokens_per_second,
+            "time_s": {"draft": self.draft_time, "verify": self.verify_time,
+                       "correct": self.correct_time, "total": self.total_time},
+            "time_share": {k: (v / busy if busy else 0.0) for k, v in
+                           [("draft", self.draft_time), ("verify", self.verify_time),
+                            ("correct", self.correct_time)]},
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated tokens per row, prompt excluded
+    row_stats: list[SpecStats]
+    stats: SpecStats  # aggregate over rows (times are for the whole batch)
+
+
+def aggregate(rows: list[SpecStats]) -> SpecStats:
+    """Sum per-row counts; wall-clock times are shared by the batch, so take them once."""
+    if not rows:
+        return SpecStats()
+    total = SpecStats(
+        draft_time=rows[0].draft_time, verify_time=rows[0].verify_time,
+        correct_time=rows[0].correct_time, total_time=rows[0].total_time,
+        accepted_per_position=[0] * len(rows[0].accepted_per_position),
+        drafted_per_position=[0] * len(rows[0].drafted_per_position),
+    )
+    for r in rows:
+        for name in ("num_drafts", "verify_steps", "draft_tokens", "accepted_tokens",
+                     "generated_tokens", "rollbacks", "causal_leaks"):
+            setattr(total, name, getattr(total, name) + getattr(r, name))
+        total.accepted_per_position = [
+            a + b for a, b in zip(total.accepted_per_position, r.accepted_per_position,
+                                  strict=True)]
+        total.drafted_per_position = [
+            a + b for a, b in zip(total.drafted_per_position, r.drafted_per_position,
+                                  strict=True)]
+    return total

@@ -1,0 +1,133 @@
+"""A gRPC client of the deployment (stock ``tritonclient``): one completion, streamed or not,
+with the speculation stats the server sends along; and stopping a request by id."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Completion:
+    text: str
+    chunks: list[str]
+    acceptance_rate: float
+    total_accepted_draft_tokens: int
+    total_draft_tokens: int
+    first_token_s: float
+    chunk_times: list[float]
+    chunk_tokens: list[int]  # tokens each response carried (from sequence_length)
+
+
+def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
+    """End the running or queued request ``request_id`` (TensorRT-LLM's ``stop`` input: the
+    same id, through the ensemble); raises RuntimeError with the server's message if none."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    inputs = request_inputs(" ", 1, False)  # the ensemble's required inputs; unused
+    stop = grpcclient.InferInput("stop", [1, 1], "BOOL")
+    stop.set_data_from_numpy(np.array([[True]]))
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("ensemble", [*inputs, stop], request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
+    """tritonclient.grpc InferInput list for the ensemble (shapes with the batch dim 1)."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype, np_dtype):
+        t = grpcclient.InferInput(name, [1, 1], dtype)
+        t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
+        return t
+
+    inputs = [tensor("text_input", prompt.encode() if isinstance(prompt, str) else prompt,
+                     "BYTES", np.object_),
+              tensor("max_tokens", max_tokens, "INT32", np.int32),
+              tensor("stream", stream, "BOOL", np.bool_)]
+    kinds = {"temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+             "random_seed": ("UINT64", np.uint64), "num_draft_tokens": ("INT32", np.int32),
+             "end_id": ("INT32", np.int32), "correction_rule": ("BYTES", np.object_),
+             "tau": ("FP32", np.float32), "gamma": ("FP32", np.float32),
+             "alpha": ("FP32", np.float32), "epsilon": ("FP32", np.float32),
+             "delta": ("FP32", np.float32)}
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if name == "stop_words":  # a list of strings: TensorRT-LLM's [1, words] tensor
+            words = grpcclient.InferInput(name, [1, len(value)], "BYTES")
+            words.set_data_from_numpy(np.array([[w.encode() for w in value]], dtype=np.object_))
+            inputs.append(words)
+            continue
+        if name not in kinds:
+            raise ValueError(f"unknown request parameter {name!r}")
+        dtype, np_dtype = kinds[name]
+        if dtype == "BYTES":
+            value = str(value).encode()
+        inputs.append(tensor(name, value, dtype, np_dtype))
+    return inputs
+
+
+def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
+             on_text=None, timeout: float = 300, request_id: str = "", client=None,
+             **optional) -> Completion:
+    """One completion over gRPC streaming (the API decoupled models need). ``request_id``
+    names it for ``stop_request``. ``client``: a ``tritonclient.grpc`` client to reuse (one
+    stream at a time; the caller closes it), as a load generator keeps one per worker
+    instead of a new channel per request."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    own_client = client is None
+    if own_client:
+        client = grpcclient.InferenceServerClient(url)
+    chunks, times, counts = [], [], []
+    stats = (0.0, 0, 0)
+    t0 = time.perf_counter()
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("ensemble", request_inputs(prompt, max_tokens, stream,
+                                                             **optional),
+                                  request_id=request_id, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            response = result.get_response()
+            final = response.parameters.get("triton_final_response")
+            if result.as_numpy("text_output") is not None:
+                text = result.as_numpy("text_output").reshape(-1)[0].decode()
+                chunks.append(text)
+                times.append(time.perf_counter() - t0)
+                length = int(result.as_numpy("sequence_length").reshape(-1)[0])
+                counts.append(length - sum(counts))
+                stats = (float(result.as_numpy("acceptance_rate").reshape(-1)[0]),
+                         int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
+                         int(result.as_numpy("total_draft_tokens").reshape(-1)[0]))
+                if on_text is not None:
+                    on_text(text)
+            if final is not None and final.bool_param:
+                break
+    finally:
+        client.stop_stream()
+        if own_client:
+            client.close()
+    return Completion("".join(chunks), chunks, *stats,
+                      first_token_s=times[0] if times else 0.0, chunk_times=times,
+                      chunk_tokens=counts)

@@ -1,0 +1,242 @@
+"""The serving protocol: the deployment's configuration, the scheduler it hosts, and the
+validation of every request. The only serving module the Triton model
+(``triton_repo/paradraft/1/model.py``) imports: it stays a thin adapter around these plain
+functions, which are tested in process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backends.loader import load_engines
+from ..backends.trt import check_limits
+from ..correction import RULES, RuleParams, check_range
+from ..drafters import DRAFTERS, Drafter
+from ..k_policy import check_draft_len_schedule
+from ..model import load_model
+from ..scheduler import Scheduler
+from ..speculative import SpeculativeDecoder
+
+
+@dataclass
+class ServeConfig:
+    """What the paradraft Triton model builds; written as JSON into the model repository."""
+
+    verifier: str
+    draft: str | None
+    drafter: str = "model"  # model | parallel | self
+    engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
+    k: int = 4
+    max_slots: int = 16
+    max_queue: int = 64
+    max_seq_len: int = 512
+    max_input_tokens: int = 384
+    rule: str = "greedy"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_token_id: int | None = None
+    rule_defaults: dict = field(default_factory=dict)
+    # rounds with at least this many running requests decode without drafts (None: never)
+    disable_by_batch_size: int | None = None
+    # the round's K by batch size: TensorRT-LLM's {threshold: K}, or "auto" (goodput policy,
+    # calibrated when the model loads); None: K every round
+    draft_len_schedule: dict[int, int] | str | None = None
+    # a streamed request's first tokens go out at once, later ones once this many have
+    # gathered (SGLang's --stream-interval): each response is an IPC hop through the
+    # ensemble, which a busy CPU pays for in throughput
+    stream_interval: int = 1
+    draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
+    acceptance_floor: float = 0.6  # warn when the running acceptance rate falls below
+
+    def __post_init__(self) -> None:
+        for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
+                          ("max_input_tokens", 1), ("stream_interval", 1),
+                          ("draft_threads", 1)]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        check_range("acceptance_floor", self.acceptance_floor, 0.0, 1.0)
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
+            raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "
+                             f"unset; got {self.disable_by_batch_size!r}")
+        if isinstance(self.draft_len_schedule, dict):  # JSON keys arrive as strings
+            try:
+                self.draft_len_schedule = {int(size): n for size, n
+                                           in self.draft_len_schedule.items()}
+            except ValueError:
+                raise ValueError("draft_len_schedule keys must be batch sizes; got "
+                                 f"{self.draft_len_schedule!r}") from None
+        check_draft_len_schedule(self.draft_len_schedule, self.k)
+        if self.max_input_tokens >= self.max_seq_len:
+            raise ValueError(f"max_input_tokens must be in [1, {self.max_seq_len - 1}] "
+                             f"(below max_seq_len); got {self.max_input_tokens}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
+                             f"got {self.drafter!r}")
+        default_params(self)  # rule, temperature, top_p and rule defaults, validated
+
+
+def build_scheduler(config: ServeConfig):
+    """The decoder behind the server: in-flight batching over ``max_slots`` cache slots."""
+    if config.engines:
+        verifier, drafters, _, manifest = load_engines(config.engines,
+                                                       draft_threads=config.draft_threads)
+        if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
+            check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
+        drafter = drafters[config.drafter]
+    else:
+        verifier = load_model(config.verifier)
+        if config.drafter == "self":
+            drafter = Drafter("self", verifier)
+        else:
+            drafter = Drafter(config.drafter, load_model(config.draft))
+    decoder = SpeculativeDecoder(
+        verifier, drafter, default_params(config), k=config.k,
+        max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
+        disable_by_batch_size=config.disable_by_batch_size,
+        draft_len_schedule=config.draft_len_schedule, acceptance_floor=config.acceptance_floor,
+    )
+    if config.draft_len_schedule == "auto":
+        decoder.calibrate()  # before the scheduler owns the slots
+    return Scheduler(decoder, max_queue=config.max_queue)
+
+
+def default_params(config: ServeConfig) -> RuleParams:
+    return RuleParams(config.rule, temperature=config.temperature, top_p=config.top_p,
+                      **config.rule_defaults)
+
+
+@dataclass
+class ParsedRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    params: RuleParams
+    num_draft_tokens: int
+    seed: int
+    eos_token_id: int | None
+    stream: bool
+    stop_sequences: list[list[int]]
+
+
+# TensorRT-LLM ensemble inputs that change nothing at these values, which its clients send
+# by default: accepted so those clients work unchanged, anything else refused by name
+NEUTRAL_INPUTS = {
+    "beam_width": (int, {1}, "1 (no beam search)"),
+    "top_k": (int, {0, 1}, "0 (off) or 1 (greedy)"),
+    "min_length": (int, {0, 1}, "0 or 1"),
+    "repetition_penalty": (float, {1.0}, "1.0"),
+    "presence_penalty": (float, {0.0}, "0.0"),
+    "frequency_penalty": (float, {0.0}, "0.0"),
+    "exclude_input_in_output": (bool, {True}, "true (text_output is the generated text only)"),
+    "return_log_probs": (bool, {False}, "false"),
+    "return_context_logits": (bool, {False}, "false"),
+    "return_generation_logits": (bool, {False}, "false"),
+}
+IGNORED_INPUTS = {"pad_id": int, "length_penalty": float}  # no padding, no beams here
+MAX_STOP_WORDS, MAX_STOP_WORD_TOKENS = 16, 32
+# every input of the paradraft model that parse_request reads (triton_repo/paradraft)
+REQUEST_INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
+                  "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha",
+                  "epsilon", "delta", "stop_words_ids", "stop_words_lengths",
+                  *NEUTRAL_INPUTS, *IGNORED_INPUTS)
+
+
+def scalar(inputs: dict[str, np.ndarray], name: str, kind: type):
+    """One value of an optional input, or None; a wrong shape or dtype names the input."""
+    if name not in inputs:
+        return None
+    value = np.asarray(inputs[name])
+    if value.size != 1:
+        raise ValueError(f"{name} must hold exactly one value; got shape {list(value.shape)}")
+    item = value.reshape(-1)[0]
+    if kind is str:
+        return item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+    if kind is bool:
+        if value.dtype != np.bool_:
+            raise ValueError(f"{name} must be BOOL; got {value.dtype}")
+        return bool(item)
+    if kind is int and not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer tensor; got {value.dtype}")
+    if kind is float and not np.issubdtype(value.dtype, np.floating):
+        raise ValueError(f"{name} must be a float tensor; got {value.dtype}")
+    return kind(item)
+
+
+def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedRequest:
+    """Validate one request's tensors (TensorRT-LLM names plus ours) against the limits."""
+    if "input_ids" not in inputs or "max_tokens" not in inputs:
+        raise ValueError("input_ids and max_tokens are required")
+    prompt = np.asarray(inputs["input_ids"]).reshape(-1).astype(np.int64).tolist()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    max_tokens = scalar(inputs, "max_tokens", int)
+    room = config.max_seq_len - len(prompt)
+    if not 1 <= max_tokens <= room:
+        raise ValueError(f"max_tokens must be in [1, {room}] for this prompt "
+                         f"({len(prompt)} tokens, max_seq_len {config.max_seq_len}); "
+                         f"got {max_tokens}")
+    rule = scalar(inputs, "correction_rule", str)
+    temperature = scalar(inputs, "temperature", float)
+    top_p = scalar(inputs, "top_p", float)
+    neutral = {name: scalar(inputs, name, kind) for name, (kind, _, _) in NEUTRAL_INPUTS.items()}
+    for name, value in neutral.items():
+        allowed, text = NEUTRAL_INPUTS[name][1:]
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be {text} on paradraft; got {value}")
+    for name, kind in IGNORED_INPUTS.items():
+        scalar(inputs, name, kind)  # the type is still checked
+    if neutral["top_k"] == 1:  # TensorRT-LLM's clients ask for greedy so
+        if rule not in (None, "greedy"):
+            raise ValueError(f"top_k 1 asks for greedy decoding; correction_rule {rule!r} "
+                             "samples (send one or the other)")
+        rule = "greedy"
+    if rule is None:
+        # sampling parameters without a rule ask for sampling: use the lossless rule
+        rule = "exact" if (temperature is not None or top_p is not None) else config.rule
+    if rule not in RULES:
+        raise ValueError(f"correction_rule must be one of {', '.join(RULES)}; got {rule!r}")
+    overrides = {name: scalar(inputs, name, float)
+                 for name in ("tau", "gamma", "alpha", "epsilon", "delta")}
+    kwargs = {**config.rule_defaults, **{k: v for k, v in overrides.items() if v is not None}}
+    params = RuleParams(
+        rule,
+        temperature=config.temperature if temperature is None else temperature,
+        top_p=config.top_p if top_p is None else top_p,
+        **kwargs,
+    )
+    k = scalar(inputs, "num_draft_tokens", int)
+    k = config.k if k is None else k
+    if not 1 <= k <= config.k:
+        raise ValueError(f"num_draft_tokens must be in [1, {config.k}]; got {k}")
+    seed = scalar(inputs, "random_seed", int)
+    end_id = scalar(inputs, "end_id", int)
+    stream = scalar(inputs, "stream", bool)
+    return ParsedRequest(prompt, max_tokens, params, k, 0 if seed is None else seed % 2**63,
+                         config.eos_token_id if end_id is None else eos_or_none(end_id),
+                         bool(stream), stop_sequences(inputs))
+
+
+def stop_sequences(inputs: dict[str, np.ndarray]) -> list[list[int]]:
+    """The stop words' token ids, as preprocessing sends them: all ids in one flat tensor
+    (``stop_words_ids``) and each word's length (``stop_words_lengths``)."""
+    ids = np.asarray(inputs.get("stop_words_ids", [])).reshape(-1).tolist()
+    lengths = np.asarray(inputs.get("stop_words_lengths", [])).reshape(-1).tolist()
+    if len(lengths) > MAX_STOP_WORDS:
+        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words; "
+                         f"got {len(lengths)}")
+    if any(not 1 <= n <= MAX_STOP_WORD_TOKENS for n in lengths) or sum(lengths) != len(ids):
+        raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} tokens "
+                         f"(stop_words_lengths {lengths} for {len(ids)} stop_words_ids)")
+    starts = np.cumsum([0, *lengths]).tolist()
+    return [ids[a:b] for a, b in itertools.pairwise(starts)]
+
+
+def eos_or_none(end_id: int) -> int | None:
+    """end_id as TensorRT-LLM reads it: -1 means "no end token" (stop at max_tokens only)."""
+    if end_id < -1:
+        raise ValueError(f"end_id must be -1 (none) or a token id >= 0; got {end_id}")
+    return None if end_id == -1 else end_id

@@ -1,0 +1,191 @@
+"""Triton Inference Server deployment: the model repository and the server process.
+
+``paradraft serve`` writes a model repository from the templates in ``triton_repo/``
+(preprocessing → paradraft → postprocessing, chained by an ensemble) and runs a real
+``tritonserver``. On a CPU machine that is the binary bundled in the ``nvidia-pytriton`` wheel
+(the Makefile unpacks it into ``.venv/pytriton``); in an NGC container it is the one on PATH.
+``fill_template`` is the one template filler: our repository and the TensorRT-LLM one
+(``paradraft.build.trtllm``) both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .protocol import ServeConfig
+
+TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
+MODELS = ("preprocessing", "paradraft", "postprocessing", "ensemble")
+
+
+
+def site_packages() -> str:
+    return sysconfig.get_paths()["purelib"]
+
+
+def find_tritonserver() -> Path:
+    """The tritonserver binary: $PARADRAFT_TRITONSERVER, the one unpacked into the venv from
+    the nvidia-pytriton wheel, or tritonserver on PATH (NGC containers)."""
+    candidates = [os.environ.get("PARADRAFT_TRITONSERVER"),
+                  Path(sys.prefix) / "pytriton/pytriton/tritonserver/bin/tritonserver",
+                  shutil.which("tritonserver")]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return Path(c)
+    raise FileNotFoundError(
+        "tritonserver not found: run `make serve-deps` (unpacks the binary from the "
+        "nvidia-pytriton wheel into .venv/pytriton), set PARADRAFT_TRITONSERVER, or use an NGC "
+        "tritonserver container")
+
+
+def backend_dir(tritonserver: Path, out: Path) -> Path:
+    """A backends/python folder with the stub built for the running Python next to
+    libtriton_python.so (the wheel ships one stub per Python version)."""
+    root = tritonserver.parent.parent
+    src = root / "backends" / "python"
+    stub = root / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}"
+    dst = out / "backends" / "python"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    if stub.is_dir():
+        for f in stub.iterdir():
+            shutil.copy2(f, dst / f.name)
+    return out / "backends"
+
+
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+
+
+def fill_template(text: str, values: dict[str, str]) -> str:
+    """Replace ${key} for the keys given and leave the rest (TensorRT-LLM's fill_template.py
+    does the same; its models treat a string parameter still reading "${...}" as unset)."""
+    return PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def unquoted_placeholders(text: str) -> list[str]:
+    """Placeholders outside "..." — tritonserver cannot parse a config that keeps one."""
+    found = []
+    for line in text.splitlines():
+        found += PLACEHOLDER.findall(re.sub(r'"[^"]*"', '""', line.split("#", 1)[0]))
+    return found
+
+
+
+def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Path:
+    """Fill the templates for this deployment; returns the repository path."""
+    repo = out / "model_repository"
+    values = {
+        "tokenizer_path": tokenizer_path,
+        "max_input_tokens": str(config.max_input_tokens),
+        "site_packages": site_packages(),
+        "preprocessing_instances": "2",
+        # one instance: responses of a stream must leave postprocessing in the order they came
+        "postprocessing_instances": "1",
+        "model_config": str(repo / "paradraft" / "paradraft.json"),
+    }
+    for name in MODELS:
+        src, dst = TEMPLATES / name, repo / name
+        (dst / "1").mkdir(parents=True, exist_ok=True)
+        text = (src / "config.pbtxt").read_text()
+        for key, value in values.items():
+            text = text.replace("${" + key + "}", value)
+        (dst / "config.pbtxt").write_text(text)
+        if (src / "1" / "model.py").is_file():
+            shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+    (repo / "paradraft" / "paradraft.json").write_text(json.dumps(asdict(config), indent=2))
+    return repo
+
+
+def server_env(tritonserver: Path) -> dict:
+    """The Python backend stub links the system libpython; point it at the running
+    interpreter's library dir, and put the venv's bin first on PATH. The wheel's bundled
+    libraries (nvidia_pytriton.libs) are found from the stub's copy through the path too."""
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    bundled = tritonserver.parents[3] / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        str(p) for p in [libdir, bundled if bundled.is_dir() else "",
+                         env.get("LD_LIBRARY_PATH", "")] if p)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    host: str
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    workdir: Path
+    log: Path
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # tritonserver drains and exits on SIGINT
+            try:
+                self.process.wait(timeout)
+            except BaseException:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.1",
+                 grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
+                 workdir: Path | None = None, ready_timeout: float = 240) -> Server:
+    """Write the repository, start tritonserver and wait until it is ready."""
+    for name, port in [("grpc_port", grpc_port), ("http_port", http_port),
+                       ("metrics_port", metrics_port)]:
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{name} must be in [1, 65535]; got {port}")
+    binary = find_tritonserver()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="paradraft-serve-"))
+    repo = write_model_repo(config, tokenizer_path, workdir)
+    backends = backend_dir(binary, workdir)
+    log = workdir / "tritonserver.log"
+    cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
+           "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
+           f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+           f"--http-address={host}", f"--http-port={http_port}",
+           "--allow-metrics=true", f"--metrics-address={host}",
+           f"--metrics-port={metrics_port}", "--log-info=true"]
+    process = subprocess.Popen(cmd, env=server_env(binary), stdout=log.open("w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log)
+    url = f"http://{host}:{http_port}/v2/health/ready"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {process.returncode}; log "
+                                   f"{log}:\n" + log.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return server
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
+    except BaseException:  # a timeout, or Ctrl-C / SIGTERM while waiting: no orphan server
+        server.stop()
+        raise

@@ -1,0 +1,328 @@
+"""``paradraft bench``: speed-up and acceptance side by side with the peers, in one run.
+
+Every variant decodes the same held-out prompts with the same models: our autoregressive
+baseline, speculative decoding per drafter / rule / K, ``transformers`` greedy ``generate()``
+and ``transformers`` assisted generation (``assistant_model=``, the same K). Speed-ups are
+ratios within this run (the machines are noisy; compare ratios, not absolute tokens/s).
+With ``repeats`` > 1 the whole plan runs that many times in turn; a row's tokens/s is its
+median and each ratio the median of the per-repeat ratios, so a slow spell during one
+variant (the baseline, say) moves one repeat, not the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..correction import RULES, RuleParams
+from ..drafters import AnyDrafter
+from ..k_policy import analytic_length
+from ..metrics import aggregate
+from ..model import Transformer
+from ..speculative import SpeculativeDecoder
+
+
+@dataclass
+class BenchRow:
+    system: str  # "ours" | "hf"
+    variant: str  # baseline | model | parallel | self | generate | assisted
+    rule: str
+    k: int
+    batch_size: int
+    sampling: bool
+    schedule: str = "fixed"  # "fixed": K every round | "auto": the goodput policy, K <= k
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance_rate: float | None = None
+    alpha: float | None = None  # P(accept | position reached) = accepted / (accepted + rejections)
+    mean_acceptance_length: float | None = None
+    mean_k: float | None = None  # draft tokens per verify step (the K the rounds used)
+    analytic_acceptance_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    time_share: dict = field(default_factory=dict)
+    speedup_vs_baseline: float | None = None
+    speedup_vs_hf_assisted: float | None = None
+    backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
+    speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
+    repeat_tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
+
+    @property
+    def tokens_per_second(self) -> float:
+        if self.repeat_tokens_per_second:
+            return statistics.median(self.repeat_tokens_per_second)
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        d = self.__dict__.copy()
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+
+def median_ratio(row: BenchRow, reference: BenchRow) -> float:
+    """The median over repeats of row / reference tokens/s, each ratio within one repeat."""
+    return statistics.median(a / b for a, b in zip(
+        row.repeat_tokens_per_second, reference.repeat_tokens_per_second, strict=True))
+
+
+def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RuleParams, k: int,
+             prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
+             row: BenchRow, token_ids: list[list[int]] | None = None) -> BenchRow:
+    """Decode ``prompts`` in batches into ``row``'s counts; ``token_ids``: a list to extend
+    with each prompt's generated tokens (to compare outputs across variants)."""
+    dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
+                             max_seq_len=max(map(len, prompts)) + max_new_tokens,
+                             acceptance_floor=0.0,
+                             draft_len_schedule="auto" if row.schedule == "auto" else None)
+    dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
+    stats = []
+    for i in range(0, len(prompts), batch_size):
+        out = dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed)
+        stats.append(out.stats)
+        if token_ids is not None:
+            token_ids += out.token_ids
+    total = aggregate(stats)
+    total.draft_time = sum(s.draft_time for s in stats)
+    total.verify_time = sum(s.verify_time for s in stats)
+    total.correct_time = sum(s.correct_time for s in stats)
+    row.tokens = total.generated_tokens
+    row.seconds = sum(s.total_time for s in stats)
+    row.time_share = total.to_dict()["time_share"]
+    if drafter is not None:
+        row.acceptance_rate = total.acceptance_rate
+        row.mean_acceptance_length = total.mean_acceptance_length
+        row.mean_k = total.draft_tokens / max(total.verify_steps, 1)
+        # Leviathan's α is per reached position: each step ends in one rejection or K accepts
+        reached = total.accepted_tokens + total.rollbacks
+        row.alpha = total.accepted_tokens / reached if reached else 1.0
+        if row.schedule == "fixed":  # the analytic length assumes one K for every round
+            row.analytic_acceptance_length = analytic_length(row.alpha, k)
+        row.per_position_acceptance = total.per_position_acceptance
+    return row
+
+
+@torch.no_grad()
+def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
+           batch_size: int, k: int, row: BenchRow) -> BenchRow:
+    """transformers generate (greedy) or assisted generation (batch 1 only in transformers)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                  do_sample=False, pad_token_id=0)
+    if hf_draft is not None:
+        kwargs.update(assistant_model=hf_draft, num_assistant_tokens=k,
+                      num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+    hf_verifier.generate(torch.tensor(prompts[:batch_size]), **{**kwargs, "max_new_tokens": 4,
+                                                                 "min_new_tokens": 4})
+    for i in range(0, len(prompts), batch_size):
+        ids = torch.tensor(prompts[i: i + batch_size])  # equal-length prompts: no padding
+        t0 = time.perf_counter()
+        out = hf_verifier.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        row.seconds += time.perf_counter() - t0
+        row.tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return row
+
+
+def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool
+         ) -> list[BenchRow]:
+    """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
+    K=4 for sampling with every sampling rule (exact and the lossy ones, their default
+    parameters); per drafter also the goodput policy (K chosen per round, up to 4)."""
+    rows: list[BenchRow] = []
+    k_default = 4 if 4 in ks else ks[len(ks) // 2]
+    for bs in batch_sizes:
+        for sampling in (False, True):
+            if sampling and bs != batch_sizes[0]:
+                continue
+            rule = "exact" if sampling else "greedy"
+            rows.append(BenchRow("ours", "baseline", rule, 0, bs, sampling))
+            sweep = (ks if bs == batch_sizes[0] else [k for k in ks if k <= k_default]
+                     ) if not sampling else [k_default]
+            rows += [BenchRow("ours", d, rule, k, bs, sampling) for d in drafters for k in sweep]
+            if sampling:  # the lossy rules, against the same exact-sampling baseline
+                rows += [BenchRow("ours", d, lossy, k_default, bs, True) for d in drafters
+                         for lossy in RULES if lossy not in ("exact", "greedy")]
+            if not sampling:
+                rows += [BenchRow("ours", d, rule, k_default, bs, sampling, schedule="auto")
+                         for d in drafters]
+            if with_hf and not sampling:
+                rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
+                if bs == 1 and "model" in drafters:
+                    rows += [BenchRow("hf", "assisted", "greedy", k, 1, False) for k in sweep]
+    return rows
+
+
+def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: list[list[int]],
+              max_new_tokens: int, batch_sizes: list[int], ks: list[int],
+              hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
+              repeats: int = 1) -> list[BenchRow]:
+    hf_verifier = hf_draft = None
+    if hf_dirs is not None:
+        from transformers import AutoModelForCausalLM
+
+        hf_verifier = AutoModelForCausalLM.from_pretrained(hf_dirs[0], dtype=torch.float32)
+        hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
+        hf_verifier.eval()
+        hf_draft.eval()
+    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None)
+    progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
+    for _ in range(repeats):
+        for row in rows:
+            row.tokens, row.seconds = 0, 0.0
+            n = max(len(prompts) // row.batch_size, 1) * row.batch_size
+            batch_prompts = (prompts * row.batch_size)[:n]
+            if row.system == "hf":
+                draft = hf_draft if row.variant == "assisted" else None
+                run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
+                       row.k, row)
+            else:
+                params = RuleParams(row.rule, temperature=temperature)
+                run_ours(verifier, drafters.get(row.variant), params, row.k, batch_prompts,
+                         max_new_tokens, row.batch_size, seed, row)
+            row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
+                                                else 0.0)
+            progress.update()
+    progress.close()
+    # ratios within this run
+    for row in rows:
+        base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
+                    and r.batch_size == row.batch_size and r.sampling == row.sampling)
+        row.speedup_vs_baseline = median_ratio(row, base)
+    compare_hf(rows)
+    return rows
+
+
+def compare_hf(rows: list[BenchRow]) -> None:
+    """Each greedy fixed-K row over transformers' assisted generation at the same K and batch
+    size (the peers run once, with the first backend; every backend is compared to them)."""
+    peers = {(r.k, r.batch_size): r for r in rows if r.variant == "assisted"}
+    for row in rows:
+        peer = peers.get((row.k, row.batch_size))
+        if peer and not row.sampling and row.schedule == "fixed":
+            row.speedup_vs_hf_assisted = median_ratio(row, peer)
+
+
+def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:
+    """Set ``speedup_vs_torch`` on the ours-rows of every other backend (same variant, rule,
+    K, batch size) and return {backend: {batch_B: {config: ratio, "geomean": g}}}."""
+    ref = {(r.variant, r.rule, r.k, r.batch_size, r.schedule): r for r in rows
+           if r.backend == reference and r.system == "ours"}
+    out: dict = {}
+    for r in rows:
+        base = ref.get((r.variant, r.rule, r.k, r.batch_size, r.schedule))
+        if r.backend == reference or r.system != "ours" or base is None:
+            continue
+        r.speedup_vs_torch = r.tokens_per_second / base.tokens_per_second
+        per_batch = out.setdefault(r.backend, {}).setdefault(f"batch_{r.batch_size}", {})
+        per_batch[f"{r.variant} {r.rule} {k_label(r)}"] = r.speedup_vs_torch
+    for per_batch in out.values():
+        for ratios in per_batch.values():
+            spec = [v for k, v in ratios.items() if not k.startswith("baseline")]
+            if spec:
+                ratios["geomean_speculative"] = math.prod(spec) ** (1 / len(spec))
+    return out
+
+
+def k_label(row: BenchRow) -> str:
+    return f"K={row.k}" if row.schedule == "fixed" else f"K=auto<={row.k}"
+
+
+def summary(rows: list[BenchRow]) -> dict:
+    """Best speculative config per batch size (greedy) and how it compares: for the first
+    backend at the top level, and per backend under "backends" when there are several."""
+    backends = list(dict.fromkeys(r.backend for r in rows if r.system == "ours"))
+    out = best_configs([r for r in rows if r.backend == backends[0]])
+    if len(backends) > 1:
+        out["backends"] = {b: best_configs([r for r in rows if r.backend == b])
+                           for b in backends}
+    return out
+
+
+def best_configs(rows: list[BenchRow]) -> dict:
+    out = {}
+    for bs in sorted({r.batch_size for r in rows}):
+        spec = [r for r in rows if r.system == "ours" and r.variant != "baseline"
+                and r.batch_size == bs and not r.sampling]
+        if not spec:
+            continue
+        best = max(spec, key=lambda r: r.speedup_vs_baseline)  # the median ratio with repeats
+        # the best fixed-K config that has a transformers peer at its K
+        peered = [r for r in spec if r.speedup_vs_hf_assisted is not None]
+        best_vs_hf = max(peered, key=lambda r: r.speedup_vs_hf_assisted, default=None)
+        out[f"batch_{bs}"] = {
+            "best": f"{best.variant} {k_label(best)}",
+            "mean_k": best.mean_k,
+            "speedup_vs_baseline": best.speedup_vs_baseline,
+            "speedup_vs_hf_assisted_same_k": best.speedup_vs_hf_assisted,
+            "acceptance_rate": best.acceptance_rate,
+            "mean_acceptance_length": best.mean_acceptance_length,
+        }
+        if best_vs_hf is not None:
+            out[f"batch_{bs}"]["best_vs_hf_assisted"] = {
+                "config": f"{best_vs_hf.variant} {k_label(best_vs_hf)}",
+                "speedup_vs_hf_assisted_same_k": best_vs_hf.speedup_vs_hf_assisted,
+                "speedup_vs_baseline": best_vs_hf.speedup_vs_baseline}
+    return out
+
+
+def print_rows(rows: list[BenchRow]) -> None:
+    print(f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':6s} {'K':>6s} {'B':>3s} "
+          f"{'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} "
+          f"{'analytic':>8s} {'mean K':>6s}")
+    for r in rows:
+        def fmt(v, spec):
+            return format(v, spec) if v is not None else "-"
+        k = str(r.k) if r.schedule == "fixed" else f"auto{r.k}"
+        print(f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:6s} {k:>6s} {r.batch_size:3d} "
+              f"{r.tokens_per_second:8.1f} {fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
+              f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
+              f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
+              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s} {fmt(r.mean_k, '6.2f'):>6s}")
+
+
+def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "summary": summary(rows), "rows": [r.to_dict() for r in rows]}
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # the first backend, and the transformers peers (measured against its baseline)
+    rows = [r for r in rows if r.backend == rows[0].backend or r.system == "hf"]
+    bs0 = min(r.batch_size for r in rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):
+        pts = sorted((r.k, r.speedup_vs_baseline) for r in rows if r.variant == variant
+                     and r.batch_size == bs0 and not r.sampling and r.k
+                     and r.schedule == "fixed")
+        if pts:
+            line, = ax1.plot(*zip(*pts, strict=True), marker="o",
+                             label=variant if variant != "assisted" else "HF assisted")
+            auto = [r for r in rows if r.variant == variant and r.batch_size == bs0
+                    and r.schedule == "auto"]
+            if auto:  # the goodput policy picks K per round: a level, not a point on the axis
+                ax1.axhline(auto[0].speedup_vs_baseline, color=line.get_color(), ls="--",
+                            lw=1, label=f"{variant} auto K (mean {auto[0].mean_k:.1f})")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over our AR baseline",
+            title=f"speed-up vs K (batch {bs0}, greedy)")
+    ax1.legend()
+    for variant in sorted({r.variant for r in rows if r.per_position_acceptance}):
+        cands = [r for r in rows if r.variant == variant and r.batch_size == bs0
+                 and not r.sampling and r.per_position_acceptance and r.schedule == "fixed"]
+        r = max(cands, key=lambda r: r.k)
+        ax2.plot(range(1, r.k + 1), r.per_position_acceptance, marker="o",
+                 label=f"{variant} K={r.k}")
+    ax2.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.02),
+            title="per-position acceptance")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,47 @@
+"""The `paradraft` command, run as a user runs it (a subprocess)."""
+
+import json
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_json_speculative_equals_no_speculation(pair):
+    vdir, ddir, _, _ = pair
+    common = ["generate", "--verifier", vdir, "--prompt-ids", "4,8,15,16",
+              "--max-new-tokens", "12", "--rule", "greedy", "--json", "--ignore-eos"]
+    spec = run_cli(*common, "--draft", ddir, "--k", "3")
+    assert spec.returncode == 0, spec.stderr
+    plain = run_cli(*common, "--no-speculation")
+    assert plain.returncode == 0, plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 12
+    for key in ("acceptance_rate", "mean_acceptance_length", "verify_steps", "draft_tokens",
+                "accepted_tokens", "tokens_per_second"):
+        assert key in a["stats"]
+    assert a["stats"]["draft_tokens"] > 0 and b["stats"]["draft_tokens"] == 0
+    assert b["stats"]["verify_steps"] == 11  # prefill gives the first token
+
+
+def test_cli_bad_parameter_is_a_clear_error(pair):
+    r = run_cli("generate", "--verifier", pair[0], "--prompt-ids", "1,2", "--no-speculation",
+                "--top-p", "0", "--rule", "exact")
+    assert r.returncode == 2
+    assert "top_p must be in (0, 1]" in r.stderr
+
+
+def test_cli_acceptance_floor_warns_and_is_validated(pair):
+    """``--acceptance-floor``: the monitoring hook's floor from the command line."""
+    common = ["generate", "--verifier", pair[0], "--draft", pair[1], "--prompt-ids", "4,8,15",
+              "--max-new-tokens", "100", "--k", "4", "--ignore-eos"]
+    r = run_cli(*common, "--acceptance-floor", "0.99")
+    assert r.returncode == 0, r.stderr
+    assert "fell below the floor 0.990" in r.stderr
+    r = run_cli(*common, "--acceptance-floor", "0")
+    assert r.returncode == 0 and "fell below" not in r.stderr
+    r = run_cli(*common, "--acceptance-floor", "1.5")
+    assert r.returncode == 2 and "acceptance_floor must be in [0, 1]; got 1.5" in r.stderr
