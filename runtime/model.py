@@ -81,10 +81,13 @@ class ModelConfig:
                 qkv_bias=True,
                 tie_embeddings=True,
             )
-        rope_scaling = hf.get("rope_scaling") or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default")
+        # transformers 5 writes rope settings as rope_parameters, older checkpoints as
+        # rope_scaling: a scaled rope under either spelling must not load as plain rope
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = hf.get(key) or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"unsupported {key} rope_type {rope_type!r}; supported: default")
         if model_type == "mistral" and hf.get("sliding_window"):
             raise ValueError("unsupported: mistral with sliding_window attention")
         rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get(

@@ -75,3 +75,10 @@ def test_clear_errors_for_bad_checkpoints(tmp_path, hf_models):
     (tmp_path / "config.json").write_text((Path(path) / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path)
+    # a scaled rope, in the transformers-5 spelling too, is refused rather than run as plain
+    config = json.loads((Path(path) / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        (tmp_path / "config.json").write_text(json.dumps({**config, key: rope}))
+        with pytest.raises(ValueError, match=f"unsupported {key} rope_type 'yarn'"):
+            load_model(tmp_path)
