@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from paradraft.build import trtllm
+from paradraft.cli.build import job_from_args
 from paradraft.runtime.backends.manifest import read_manifest
 from paradraft.runtime.correction import RuleParams
 
@@ -268,17 +269,17 @@ def build_args(tmp_path, **kw):
 
 
 def test_cli_arguments_to_a_job(tmp_path):
-    j, rules, parallel = trtllm.job_from_args(build_args(tmp_path))
+    j, rules, parallel = job_from_args(build_args(tmp_path))
     assert (j.verifier, j.draft, j.verifier_type) == (DEMO / "verifier", DEMO / "draft", "llama")
     assert (j.dtype, j.max_k, j.use_draft_logits, parallel) == ("float32", 4, False, None)
-    j, rules, parallel = trtllm.job_from_args(build_args(
+    j, rules, parallel = job_from_args(build_args(
         tmp_path, precision="bf16", rule="exact", parallel_draft=str(DEMO / "parallel_draft")))
     assert (j.dtype, j.use_draft_logits, rules.rule) == ("bfloat16", True, "exact")
     assert parallel == DEMO / "parallel_draft"
     with pytest.raises(ValueError, match="--draft is required"):
-        trtllm.job_from_args(build_args(tmp_path, verifier=str(DEMO / "verifier")))
+        job_from_args(build_args(tmp_path, verifier=str(DEMO / "verifier")))
     with pytest.raises(ValueError, match="self-draft"):
-        trtllm.job_from_args(build_args(tmp_path, self_draft_layers=1))
+        job_from_args(build_args(tmp_path, self_draft_layers=1))
 
 
 def test_run_steps_stops_at_the_first_failure(tmp_path):
