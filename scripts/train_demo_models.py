@@ -24,7 +24,7 @@ its wall-clock budget (``--<stage>-minutes``).  The LR schedule is a linear warm
 followed by a cosine decay over the stage's progress, progress = max(step / steps,
 elapsed / budget), so the LR is fully decayed whichever limit ends the stage, even when the CPU
 is shared and its speed varies.  Batches are a pure function of (seed, stage, step), so a run
-with a step limit that binds before its time budget is reproducible from the seed; the step
+with a step limit that binds before its time budget is reproducible from the random seed; the step
 counts of each run are recorded in ``training_metrics.json``.
 """
 
@@ -1129,7 +1129,7 @@ def model_card(m: dict) -> str:
         "```",
         "",
         "Each stage stops on a wall-clock budget (`--*-minutes`), so how many steps fit depends "
-        "on the machine. To repeat the first command's step counts from the seed, add "
+        "on the machine. To repeat the first command's step counts from the random seed, add "
         + " ".join(f"`--{flag}-steps {m[key]['steps']}`" for flag, key in (
             ("verifier", "verifier"), ("draft", "draft"), ("parallel", "parallel_draft"))
             if key in m and "steps" in m[key])
@@ -1260,7 +1260,7 @@ def model_card(m: dict) -> str:
             "Each run of the stage continues from the folder's weights; the shipped drafts went "
             "through the rounds below in order (the commands are in `training_metrics.json`; a "
             "round with more trajectory batches extends the cached set, whose batch i depends "
-            "only on the seed and i). Prompts `windows`: random training windows as above; "
+            "only on the random seed and i). Prompts `windows`: random training windows as above; "
             "`defs` (`--selfdistill-prompts defs`, its own cached set): the first 16/32/48/64 "
             "tokens from the opening of a `def`/`class` line of a training file, as the "
             "held-out snippets that bench/eval prompt with.",

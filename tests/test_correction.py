@@ -1,5 +1,5 @@
-"""Each rule's arithmetic on hand-computed cases, parameter validation, and the seed's
-functional test (a planted wrong draft token is rejected exactly where it was planted)."""
+"""Each rule's arithmetic on hand-computed cases, parameter validation, and the planted-token
+test (a planted wrong draft token is rejected exactly where it was planted)."""
 
 import math
 
@@ -139,7 +139,7 @@ def test_top_p_and_sampling_probs():
 
 @pytest.mark.parametrize("rule", RULES)
 def test_planted_wrong_token_is_rejected_exactly_there(rule):
-    """The seed's functional test: a block whose drafts are the verifier's confident choices
+    """The planted-token test: a block whose drafts are the verifier's confident choices
     except a planted token at j; every rule stops at j and the correction comes from the
     verifier's distribution at j (never the planted token)."""
     B, K, V = 4096, 6, 12
