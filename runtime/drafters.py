@@ -11,7 +11,8 @@ they were drawn from (the ``q`` of Leviathan et al. speculative sampling; None w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -61,10 +62,10 @@ def autoregressive_drafts(model: Transformer, inputs: Tensor, pos: Tensor, lengt
 class ModelDrafter:
     """A separate small model with its own KV cache."""
 
+    kind: ClassVar[str] = "model"
+    num_layers: ClassVar[None] = None
+    shares_verifier_cache: ClassVar[bool] = False
     model: Transformer
-    kind: str = field(default="model", init=False)
-    num_layers: None = field(default=None, init=False)
-    shares_verifier_cache: bool = field(default=False, init=False)
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
                 rows: Tensor | None, sampling: RuleParams | None, gen: torch.Generator,
@@ -81,11 +82,11 @@ class ModelDrafter:
 class ParallelDrafter:
     """PARD: one pass over [newest, mask × (K−1)]; the draft model is trained for it."""
 
+    kind: ClassVar[str] = "parallel"
+    num_layers: ClassVar[None] = None
+    shares_verifier_cache: ClassVar[bool] = False
     model: Transformer
     mask_token_id: int | None = None
-    kind: str = field(default="parallel", init=False)
-    num_layers: None = field(default=None, init=False)
-    shares_verifier_cache: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.mask_token_id is None:
@@ -114,10 +115,10 @@ class ParallelDrafter:
 class SelfDrafter:
     """The verifier's first ``num_layers`` layers, on the verifier's own cache."""
 
+    kind: ClassVar[str] = "self"
+    shares_verifier_cache: ClassVar[bool] = True
     model: Transformer
     num_layers: int | None = None
-    kind: str = field(default="self", init=False)
-    shares_verifier_cache: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         n = self.model.config.n_layers

@@ -50,7 +50,6 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
     """The onnx backend's verifier, drafters and manifest: ``--engines`` or a build (with
     the build's defaults, and the bench's largest K as max_k: fused draft graphs for the Ks
     it runs) into ``tmp``."""
-
     names = args.drafters.split(",")
     engine_dir = args.engines
     if engine_dir is None:

@@ -69,7 +69,6 @@ PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 def job_from_args(args: argparse.Namespace) -> tuple[TrtllmJob, RuleParams, Path | None]:
     """The build the CLI's `build` arguments ask for (demo pair when no models are given)."""
-
     if args.self_draft_layers is not None:
         raise ValueError("--self-draft-layers: the trtllm backend has no self-draft engine")
     verifier, draft = args.verifier, args.draft

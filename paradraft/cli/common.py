@@ -8,7 +8,7 @@ import torch
 
 from paradraft.runtime.checkpoints import DEMO_DIR, heldout_prompts, heldout_texts, load_tokenizer
 from paradraft.runtime.correction import RULES, RuleParams
-from paradraft.runtime.drafters import DRAFTERS, Drafter
+from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer, load_model
 
 
@@ -56,7 +56,7 @@ def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int,
 
 
 def load_drafters(args: argparse.Namespace, verifier: Transformer, dtype: torch.dtype
-                  ) -> dict[str, Drafter]:
+                  ) -> dict[str, AnyDrafter]:
     names = args.drafters.split(",")
     for n in names:
         if n not in DRAFTERS:
@@ -96,7 +96,6 @@ def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
 
 def eval_prompt_pairs(args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, held-out reference continuation ids) pairs."""
-
     tokenizer = load_tokenizer(args.verifier)
     texts = heldout_texts(args.heldout)
     return heldout_prompts(tokenizer, texts, args.prompts, args.prompt_tokens, args.seed)

@@ -10,7 +10,7 @@ import torch
 
 from paradraft.runtime.backends.loader import load_engines
 from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
-from paradraft.runtime.drafters import DRAFTERS, Drafter
+from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -85,9 +85,8 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 
 
 def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
-                  ) -> tuple[object, Drafter | None]:
+                  ) -> tuple[object, AnyDrafter | None]:
     """The verifier engine and the requested drafter from ``--engines`` (ONNX Runtime)."""
-
     if args.dtype != "float32":
         raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
     if args.audit_epsilon is not None:

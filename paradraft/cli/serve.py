@@ -17,7 +17,7 @@ from paradraft.runtime.drafters import DRAFTERS
 from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.protocol import ServeConfig
-from paradraft.runtime.serving.server import start_server
+from paradraft.runtime.serving.server import Server, start_server
 
 from .common import add_acceptance_floor_arg, add_draft_threads_arg, check_engine_limits
 
@@ -71,10 +71,9 @@ def schedule_arg(text: str) -> dict[int, int] | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def serve_config(args: argparse.Namespace):
+def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The server's settings. With ``--engines`` the manifest supplies what the options leave
     unset (slots, sequence length, rule and sampling defaults) and bounds what they set."""
-
     verifier = args.verifier
     if args.engines:
         manifest = read_manifest(args.engines, verify=False)  # the server process verifies
@@ -114,7 +113,6 @@ def load_model_config_eos(model_dir: str) -> int | None:
 def interrupt_on_sigterm() -> None:
     """SIGTERM raises KeyboardInterrupt, as SIGINT does, so the ``finally`` that stops
     tritonserver runs for both; tritonserver has its own session and never sees them."""
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -127,10 +125,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_server(args: argparse.Namespace, config):
+def own_server(args: argparse.Namespace, config: ServeConfig) -> Server:
     """Start a server with ``config`` (``serve_config(args)``) on free local ports for demo /
     loadtest (stopped by the caller)."""
-
     tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
     interrupt_on_sigterm()  # the caller's `finally` stops the server
     print("paradraft: starting tritonserver ...", file=sys.stderr, flush=True)

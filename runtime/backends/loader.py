@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..drafters import DRAFTERS, Drafter
+from ..drafters import DRAFTERS, AnyDrafter, Drafter
 from ..model import ModelConfig
 from .manifest import read_manifest
 from .ort import OrtModel
@@ -15,7 +15,7 @@ from .trt import load_trt_model
 def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
     draft_threads: int | None = 1,
-) -> tuple[object, dict[str, Drafter], Path | None, dict]:
+) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
 
@@ -31,6 +31,7 @@ def load_engines(
     if manifest["backend"] not in ("onnx", "tensorrt"):
         raise ValueError(f"{engine_dir}: backend {manifest['backend']!r} is not supported by "
                          "this runtime; supported: onnx, tensorrt")
+
     def engine(name: str, threads: int | None = threads) -> OrtModel:
         if manifest["backend"] == "tensorrt":  # plans next to the ONNX graphs, on the GPU
             return load_trt_model(engine_dir, manifest, name)
@@ -49,7 +50,7 @@ def load_engines(
                         draft_steps, draft_threads)
 
     verifier = engine("verifier")
-    drafters: dict[str, Drafter] = {}
+    drafters: dict[str, AnyDrafter] = {}
     built_kinds = manifest["drafters"]
     for kind in sorted(built_kinds, key=DRAFTERS.index):  # model, parallel, self
         name = built_kinds[kind]
