@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+from datetime import datetime
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
+
+from .model import Transformer, load_model, pad_vocab
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 HELDOUT_FILE = "heldout.jsonl"
@@ -39,3 +43,152 @@ def heldout_prompts(tokenizer, texts: list[str], n: int, prompt_tokens: int,
     while len(picks) < n:
         picks.append(pool[rng.randrange(len(pool))])
     return [(ids[:prompt_tokens], ids[prompt_tokens:]) for ids in picks]
+
+
+# End-of-turn markers of the common chat formats (Llama 3, ChatML/Qwen, Gemma, Phi-3, Llama 2 /
+# Mistral): a template that writes one ends each assistant turn with it, so generation stops
+# there even where the checkpoint's eos_token_id lists only the end-of-text token.
+END_OF_TURN_MARKERS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "</s>")
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    path = model_dir / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_template(model_dir: str | Path) -> str:
+    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named templates whose ``default`` is used)."""
+    model_dir = Path(model_dir)
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = _tokenizer_config(model_dir).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{model_dir} has no chat template (neither chat_template.jinja nor a "
+                         "chat_template in tokenizer_config.json); send a plain prompt instead")
+    return template
+
+
+def format_chat(model_dir: str | Path, messages: list[dict],
+                add_generation_prompt: bool = True) -> str:
+    """Render ``messages`` with the checkpoint's chat template, as transformers'
+    ``apply_chat_template(..., tokenize=False)`` does: the same sandboxed Jinja settings, and
+    the tokenizer's special tokens (bos_token, eos_token, ...) visible to the template."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"messages[{i}] must be an object with a 'role'; got {message!r}")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # transformers' override: Jinja's own tojson escapes HTML characters
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    config = _tokenizer_config(Path(model_dir))
+    special = {key: _token_text(config.get(key)) for key in
+               ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                "mask_token")}
+    special = {key: text for key, text in special.items() if text is not None}
+    # messages with a None value are dropped, as transformers normalises them
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    try:
+        return env.from_string(chat_template(model_dir)).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template of {model_dir}: {e}") from None
+
+
+def chat_stop_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """Token ids that end an assistant turn: the tokenizer's eos_token and the end-of-turn
+    markers the chat template writes (the checkpoint's eos_token_id is added by the caller)."""
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    template = chat_template(model_dir)
+    texts = [_token_text(_tokenizer_config(model_dir).get("eos_token"))]
+    texts += [marker for marker in END_OF_TURN_MARKERS if marker in template]
+    ids = [tokenizer.token_to_id(t) for t in texts if t]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _tokenizer_vocab(model_dir: Path) -> dict | None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    t = json.loads(path.read_text())
+    return {"model.vocab": (t.get("model") or {}).get("vocab"),
+            "added_tokens": [(a.get("id"), a.get("content")) for a in t.get("added_tokens", [])]}
+
+
+def real_vocab_size(model_dir: str | Path) -> int | None:
+    """Ids the tokenizer defines (the rest of a model's vocab_size is padding), or None
+    without a tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
+
+
+def check_draft_vocab(verifier_dir: str | Path, verifier_vocab: int, draft_dir: str | Path,
+                      draft_vocab: int, name: str = "draft") -> int:
+    """Refuse a draft that does not speak the verifier's vocabulary, naming what differs.
+    A draft whose vocab_size differs only by padding is accepted when both tokenizers agree
+    on every real token. Returns the real vocabulary size (ids below it are shared)."""
+    verifier_dir, draft_dir = Path(verifier_dir), Path(draft_dir)
+    ours, theirs = _tokenizer_vocab(verifier_dir), _tokenizer_vocab(draft_dir)
+    if ours is not None and theirs is not None:
+        for key in ours:
+            if ours[key] != theirs[key]:
+                raise ValueError(f"{name} {draft_dir}: tokenizer.json {key} differs from the "
+                                 f"verifier's ({verifier_dir / 'tokenizer.json'})")
+    if draft_vocab == verifier_vocab:
+        return draft_vocab
+    real = real_vocab_size(verifier_dir)
+    if ours is None or theirs is None or real is None:
+        raise ValueError(f"{name} {draft_dir}: vocab_size {draft_vocab} differs from the "
+                         f"verifier's {verifier_vocab} ({verifier_dir}), and without both "
+                         "tokenizer.json files the difference cannot be shown to be padding")
+    if real > min(draft_vocab, verifier_vocab):
+        raise ValueError(f"{name} {draft_dir}: vocab_size {draft_vocab} differs from the "
+                         f"verifier's {verifier_vocab} ({verifier_dir}) by more than padding: "
+                         f"the tokenizer defines {real} ids")
+    if draft_vocab > verifier_vocab:
+        raise ValueError(f"{name} {draft_dir}: vocab_size {draft_vocab} is larger than the "
+                         f"verifier's {verifier_vocab} ({verifier_dir}); only a draft padded "
+                         "less than the verifier is supported")
+    return real
+
+
+def load_draft(draft_dir: str | Path, verifier_dir: str | Path, verifier_vocab: int,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               name: str = "draft") -> Transformer:
+    """A draft checkpoint, checked against the verifier's tokenizer and, when the two are
+    padded to different sizes, widened to the verifier's vocabulary (``pad_vocab``)."""
+    draft = load_model(draft_dir, dtype=dtype, device=device)
+    real = check_draft_vocab(verifier_dir, verifier_vocab, draft_dir, draft.config.vocab_size,
+                             name)
+    if draft.config.vocab_size != verifier_vocab:
+        pad_vocab(draft, verifier_vocab, real)
+    return draft

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,10 +38,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    eos_token_id: int | None = None
+    # generation stops at any of these (Llama 3 and Qwen chat models list several)
+    eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     mask_token_id: int | None = None  # parallel (PARD-style) drafts only
     self_draft_layers: int | None = None  # layers trained for early exit, if any
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = token_ids("eos_token_id", self.eos_token_ids)
 
     @property
     def is_gpt2(self) -> bool:
@@ -55,13 +59,10 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
         common = dict(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
-            eos_token_id=eos,
+            eos_token_ids=token_ids("eos_token_id", hf.get("eos_token_id")),
             bos_token_id=hf.get("bos_token_id"),
             mask_token_id=hf.get("mask_token_id"),
             self_draft_layers=hf.get("self_draft_layers"),
@@ -108,6 +109,16 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
+
+
+def token_ids(name: str, value: int | list[int] | tuple[int, ...] | None) -> tuple[int, ...]:
+    """An id field that HF writes as an int, a list of ints or null, as a tuple."""
+    if value is None:
+        return ()
+    ids = (value,) if isinstance(value, int) else tuple(value)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{name} must be a token id >= 0 or a list of them; got {value!r}")
+    return ids
 
 
 @dataclass
@@ -384,11 +395,19 @@ def _hf_state_dict(c: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tens
 
 
 def load_config(path: str | Path) -> ModelConfig:
+    """config.json, with generation_config.json's eos_token_id winning where it has one (as
+    transformers' ``generate`` reads them)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"missing {config_file} (expected a HF-format checkpoint dir)")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    hf = json.loads(config_file.read_text())
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        generation = json.loads(generation_file.read_text())
+        if generation.get("eos_token_id") is not None:
+            hf = {**hf, "eos_token_id": generation["eos_token_id"]}
+    return ModelConfig.from_hf(hf)
 
 
 def load_model(
@@ -416,3 +435,32 @@ def load_model(
     if missing:
         raise ValueError(f"{path}: checkpoint is missing weights for {missing[:5]}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def pad_vocab(model: Transformer, vocab_size: int, real_vocab: int) -> Transformer:
+    """Widen a draft's vocabulary to the verifier's ``vocab_size`` (checkpoints padded to
+    different sizes, as Qwen2.5-7B's 152064 against 0.5B's 151936). Ids from ``real_vocab``
+    on get logit −inf through an LM-head bias, so they are never proposed: the draft
+    distribution lives on the shared real range, and every backend (torch, ONNX, TensorRT)
+    sees one vocabulary size. Padded ids embed as zeros (the verifier may still emit one)."""
+    c = model.config
+    if not c.vocab_size <= vocab_size or not 0 < real_vocab <= c.vocab_size:
+        raise ValueError(f"pad_vocab: need real_vocab {real_vocab} <= draft vocab_size "
+                         f"{c.vocab_size} <= vocab_size {vocab_size}")
+    extra = vocab_size - c.vocab_size
+    weight = model.embed.weight.detach()
+    embed = torch.cat([weight, weight.new_zeros(extra, c.dim)])
+    head = model.lm_head.weight.detach()
+    head = embed if c.tie_embeddings else torch.cat([head, head.new_zeros(extra, c.dim)])
+    model.embed = nn.Embedding.from_pretrained(embed, freeze=True)
+    model.lm_head = nn.Linear(c.dim, vocab_size, bias=True, device=weight.device,
+                              dtype=weight.dtype)
+    with torch.no_grad():
+        model.lm_head.weight = model.embed.weight if c.tie_embeddings else nn.Parameter(
+            head, requires_grad=False)
+        model.lm_head.bias.copy_(torch.where(
+            torch.arange(vocab_size, device=weight.device) < real_vocab, 0.0, float("-inf")))
+    model.config = replace(c, vocab_size=vocab_size)
+    for layer in model.layers:
+        layer.c = model.config
+    return model

@@ -47,7 +47,7 @@ class Request:
     on_done: Callable[[SpecStats | None, BaseException | None], None]
     num_draft_tokens: int | None = None
     seed: int = 0
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # generation stops at any of these
     is_cancelled: Callable[[], bool] = lambda: False
     # token sequences that end the request once the output contains one (TensorRT-LLM's
     # stop_words: the output keeps the stop sequence)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -34,13 +34,15 @@ from .k_policy import (
     seconds_per_round,
 )
 from .metrics import AcceptanceMonitor, GenerationResult, SpecStats, aggregate
-from .model import KVCache, Transformer, new_kv_cache
+from .model import KVCache, Transformer, new_kv_cache, token_ids
 from .threads import glue_threads
 
 # Drafter and the metrics are re-exported: ``paradraft.runtime.speculative`` was their home
 # before the split, and the Python API keeps working from there
 __all__ = ["Drafter", "GenerationResult", "SpecStats", "SpeculativeDecoder", "aggregate"]
 log = logging.getLogger("paradraft")
+MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-of-turn ids)
+EosIds = int | Sequence[int] | None
 
 
 class SpeculativeDecoder:
@@ -83,7 +85,9 @@ class SpeculativeDecoder:
             if drafter.model.config.vocab_size != verifier.config.vocab_size:
                 raise ValueError(
                     f"draft vocab_size {drafter.model.config.vocab_size} != verifier vocab_size "
-                    f"{verifier.config.vocab_size}"
+                    f"{verifier.config.vocab_size}: load the draft with "
+                    "paradraft.runtime.checkpoints.load_draft, which widens a draft padded "
+                    "differently (after checking the tokenizers agree)"
                 )
         if audit_epsilon is not None and not 0.0 <= audit_epsilon < 1.0:
             raise ValueError(f"audit_epsilon must be in [0, 1); got {audit_epsilon}")
@@ -174,7 +178,8 @@ class SpeculativeDecoder:
             emitted)
         self.lengths[rows] = lengths + num_accepted + 1
         if self.adaptive_k:
-            self.k_rows[rows] = adapt_k(k_rows, num_accepted, self.k)
+            # a request that asked for no drafts keeps K = 0
+            self.k_rows[rows] = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
         self._count(rows, width, num_drafted, num_accepted, leaked_rows)
         out = self._emit(rows, emitted, num_accepted, num_drafted)
         t3 = time.perf_counter()
@@ -290,7 +295,7 @@ class SpeculativeDecoder:
         self.lengths = torch.zeros(S, dtype=torch.long, device=dev)
         self.generated = torch.zeros(S, dtype=torch.long, device=dev)
         self.limit = torch.zeros(S, dtype=torch.long, device=dev)
-        self.eos = torch.full((S,), -1, dtype=torch.long, device=dev)
+        self.eos = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
         self.k_rows = torch.full((S,), width, dtype=torch.long, device=dev)
         # verify steps, drafted, accepted, rollbacks, steps with drafts, causal leaks
         self.counters = torch.zeros(6, S, dtype=torch.long, device=dev)
@@ -320,29 +325,38 @@ class SpeculativeDecoder:
         slots: list[int],
         prompts: list[list[int]],
         max_new_tokens: list[int],
-        eos_token_ids: list[int | None],
+        eos_token_ids: list[EosIds],
         gen: torch.Generator,
         num_draft_tokens: list[int] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier (and a separate draft) over the
         right-padded prompts and take the first token from the same correction code (K=0).
-        ``num_draft_tokens``: per-request K (<= the decoder's K; default: K).
+        ``eos_token_ids``: per request, an end id, a list of them (generation stops at any)
+        or None. ``num_draft_tokens``: per-request K (<= the decoder's K; default: K;
+        0: no drafts).
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, gen,
                                  num_draft_tokens)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
-                 eos_token_ids: list[int | None], gen: torch.Generator,
+                 eos_token_ids: list[EosIds], gen: torch.Generator,
                  num_draft_tokens: list[int] | None) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
+        eos = torch.full((len(slots), MAX_STOP_IDS), -1, dtype=torch.long)
+        for b, ids in enumerate(eos_token_ids):  # host-side, once per request
+            ids = token_ids("eos_token_id", ids)
+            if len(ids) > MAX_STOP_IDS:
+                raise ValueError(f"eos_token_id must list at most {MAX_STOP_IDS} ids; got "
+                                 f"{len(ids)}")
+            eos[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         width = max(self.k, 1)
         if num_draft_tokens is None:
             num_draft_tokens = [width] * len(slots)
-        for k in num_draft_tokens:
-            if not isinstance(k, int) or not 1 <= k <= width:
-                raise ValueError(f"num_draft_tokens must be an integer in [1, {width}]; got {k!r}")
+        for k in num_draft_tokens:  # 0: this request decodes without drafts
+            if not isinstance(k, int) or not 0 <= k <= width:
+                raise ValueError(f"num_draft_tokens must be an integer in [0, {width}]; got {k!r}")
         t0 = time.perf_counter()
         dev, B = self.device, len(slots)
         rows = torch.tensor(slots, device=dev)
@@ -356,8 +370,7 @@ class SpeculativeDecoder:
         self.lengths[rows] = prompt_lens
         self.generated[rows] = 0
         self.limit[rows] = torch.tensor(max_new_tokens, device=dev)
-        self.eos[rows] = torch.tensor([-1 if e is None else e for e in eos_token_ids],
-                                      device=dev)
+        self.eos[rows] = eos.to(dev)
         self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
         self.counters[:, rows] = 0
         self.per_pos[:, rows] = 0
@@ -386,7 +399,7 @@ class SpeculativeDecoder:
         the round's single host transfer."""
         width = emitted.shape[1]
         valid = torch.arange(width, device=emitted.device) <= num_accepted[:, None]
-        is_eos = valid & (emitted == self.eos[rows, None])
+        is_eos = valid & (emitted[:, :, None] == self.eos[rows, None, :]).any(-1)
         first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), width)
         keep = torch.minimum(num_accepted + 1, first_eos + 1)
         generated = self.generated[rows]
@@ -424,10 +437,11 @@ class SpeculativeDecoder:
         prompts: list[list[int]],
         max_new_tokens: int | list[int],
         seed: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_id: EosIds = None,
         stats: list[SpecStats] | None = None,
     ) -> Iterator[list[list[int]]]:
         """Yield, per round, the tokens each row gained (an empty list for finished rows).
+        ``eos_token_id``: an id or a list of ids; a row stops after the first it emits.
 
         ``stats``: pass an empty list to receive per-row SpecStats (filled when done).
         """
@@ -466,7 +480,7 @@ class SpeculativeDecoder:
         prompts: list[list[int]],
         max_new_tokens: int | list[int],
         seed: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_id: EosIds = None,
     ) -> GenerationResult:
         out: list[list[int]] = [[] for _ in prompts]
         row_stats: list[SpecStats] = []

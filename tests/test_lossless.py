@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from paradraft.runtime.correction import Randoms, RuleParams, correct, sampling_probs
 from paradraft.runtime.drafters import Drafter
-from paradraft.runtime.model import load_model
+from paradraft.runtime.model import load_model, new_kv_cache
 from paradraft.runtime.speculative import SpeculativeDecoder
 
 PROMPT_LENS = [1, 3, 5, 7, 9, 12, 15, 20]
@@ -143,35 +143,36 @@ def test_exact_rule_preserves_the_verifier_distribution(draft_is_greedy):
 
 
 def test_exact_speculative_decoding_matches_the_verifier_joint_distribution(models):
-    """End to end through the decoder: the first two generated tokens of a fixed prompt,
-    sampled with exact speculation, follow the verifier's joint distribution."""
     verifier, draft, _, _ = models
+    assert_joint_distribution(verifier, Drafter("model", draft), VOCAB)
+
+
+def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, seeds: int = 12):
+    """End to end through the decoder: the first two generated tokens of a fixed prompt,
+    sampled with exact speculation, follow the verifier's joint distribution (chi-square)."""
     params = RuleParams("exact", temperature=1.0)
     prompt = [5, 9, 14]
-    rows = 256
-    dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=3,
-                             max_batch_size=rows)
+    dec = SpeculativeDecoder(verifier, drafter, params, k=3, max_batch_size=rows)
     pairs = []
-    for seed in range(12):
+    for seed in range(seeds):
         out = dec.generate([prompt] * rows, 2, seed=seed).token_ids
-        pairs += [o[0] * VOCAB + o[1] for o in out]
+        pairs += [o[0] * vocab + o[1] for o in out]
     samples = torch.tensor(pairs)
     # the target, computed directly from the verifier
     with torch.no_grad():
-        from paradraft.runtime.model import new_kv_cache
-
         cache = new_kv_cache(verifier.config, 1, 16, torch.float32)
         first, _ = verifier(torch.tensor([prompt]), torch.arange(3)[None], cache)
         p1 = torch.softmax(first[0, -1], -1)
-        cache = new_kv_cache(verifier.config, VOCAB, 16, torch.float32)
-        ctx = torch.tensor([[*prompt, t] for t in range(VOCAB)])
-        second, _ = verifier(ctx, torch.arange(4).expand(VOCAB, -1), cache)
+        cache = new_kv_cache(verifier.config, vocab, 16, torch.float32)
+        ctx = torch.tensor([[*prompt, t] for t in range(vocab)])
+        second, _ = verifier(ctx, torch.arange(4).expand(vocab, -1), cache)
         p2 = torch.softmax(second[:, -1], -1)
     joint = (p1[:, None] * p2).flatten()
     counts = torch.bincount(samples, minlength=joint.numel()).double()
     # chi-square over outcomes with enough expected mass (rest pooled)
     expected = joint.double() / joint.double().sum() * samples.numel()
     big = expected >= 5
+    assert big.sum() >= 4, "too few outcomes with enough expected mass for the test"
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     assert chisquare(obs, exp).pvalue > 1e-3

@@ -50,14 +50,14 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({
         "format_version": 1, "limits": {"max_batch_size": 6, "max_k": 3, "max_seq_len": 256},
         "rule_defaults": rule_defaults,
-        "models": {"verifier": {"config": {"eos_token_id": 0}}}}))
+        "models": {"verifier": {"config": {"eos_token_ids": [0]}}}}))
     config = serve_config(serve_args(engines=str(tmp_path)))
     assert (config.max_slots, config.max_seq_len, config.max_input_tokens) == (6, 256, 255)
     assert config.k == 3  # 4 by default, but the engines hold fused drafts up to 3
     assert (config.rule, config.temperature, config.top_p) == ("dynamic", 0.8, 0.95)
     assert config.rule_defaults == dict(tau=0.2, gamma=1.0, alpha=0.05,
                                         top_p_membership=False, epsilon=0.09, delta=0.3)
-    assert config.eos_token_id == 0
+    assert config.eos_token_id == (0,)
     # options win where set; the manifest's rule parameters stay
     config = serve_config(serve_args(engines=str(tmp_path), rule="threshold", max_slots=3))
     assert (config.rule, config.max_slots, config.rule_defaults["tau"]) == ("threshold", 3, 0.2)

@@ -54,7 +54,7 @@ def server(tmp_path_factory):
     config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=str(MODELS / "draft"), k=4,
         max_slots=SLOTS, max_queue=32, max_seq_len=MAX_SEQ, max_input_tokens=256,
-        eos_token_id=load_model(MODELS / "verifier").config.eos_token_id)
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids)
     srv = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
                              grpc_port=free_port(), http_port=free_port(),
                              metrics_port=free_port(),
@@ -75,7 +75,7 @@ def local(server):
 
     def run(prompt, max_tokens):
         ids = dec.generate([tok.encode(prompt).ids], max_tokens,
-                           eos_token_id=config.eos_token_id).token_ids[0]
+                           eos_token_id=config.eos_token_ids).token_ids[0]
         return tok.decode(ids)
 
     return run
@@ -540,7 +540,7 @@ def onnx_server(tmp_path_factory):
     config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=None, engines=str(engines), k=4,
         max_slots=SLOTS, max_queue=8, max_seq_len=MAX_SEQ, max_input_tokens=256,
-        eos_token_id=load_model(MODELS / "verifier").config.eos_token_id)
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids)
     srv = serving_server.start_server(config, str(engines / "tokenizer.json"),
                                       grpc_port=free_port(), http_port=free_port(),
                                       metrics_port=free_port(),
@@ -559,7 +559,7 @@ def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_serv
     tok = load_tokenizer(config.engines)
     for prompt in PROMPTS[:3]:
         ids = dec.generate([tok.encode(prompt).ids], 24,
-                           eos_token_id=config.eos_token_id).token_ids[0]
+                           eos_token_id=config.eos_token_ids).token_ids[0]
         got = serving_client.complete(srv.grpc_url, prompt, 24, stream=True)
         assert got.text == "".join(got.chunks) == tok.decode(ids), prompt
         assert len(got.chunks) > 1 and got.total_draft_tokens > 0

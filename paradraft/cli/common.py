@@ -6,10 +6,16 @@ import argparse
 
 import torch
 
-from paradraft.runtime.checkpoints import DEMO_DIR, heldout_prompts, heldout_texts, load_tokenizer
+from paradraft.runtime.checkpoints import (
+    DEMO_DIR,
+    heldout_prompts,
+    heldout_texts,
+    load_draft,
+    load_tokenizer,
+)
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
-from paradraft.runtime.model import Transformer, load_model
+from paradraft.runtime.model import Transformer
 
 
 def rule_params(args: argparse.Namespace) -> RuleParams:
@@ -67,7 +73,8 @@ def load_drafters(args: argparse.Namespace, verifier: Transformer, dtype: torch.
             drafters[n] = Drafter("self", verifier, num_layers=args.self_draft_layers)
         else:
             path = args.draft if n == "model" else args.parallel_draft
-            drafters[n] = Drafter(n, load_model(path, dtype=dtype))
+            drafters[n] = Drafter(n, load_draft(path, args.verifier, verifier.config.vocab_size,
+                                                dtype=dtype))
     return drafters
 
 

@@ -9,7 +9,13 @@ import sys
 import torch
 
 from paradraft.runtime.backends.loader import load_engines
-from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+from paradraft.runtime.checkpoints import (
+    DEMO_DIR,
+    chat_stop_token_ids,
+    format_chat,
+    load_draft,
+    load_tokenizer,
+)
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
@@ -30,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids (no tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the verifier tokenizer's chat "
+                        "template; stop at its end-of-turn token")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -75,7 +85,9 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
             drafter = Drafter("self", verifier, num_layers=args.self_draft_layers)
         else:
             default = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel" else "draft")
-            drafter = Drafter(args.drafter, load_model(args.draft or default, dtype=dtype))
+            draft = load_draft(args.draft or default, args.verifier,
+                               verifier.config.vocab_size, dtype=dtype)
+            drafter = Drafter(args.drafter, draft)
     decoder = SpeculativeDecoder(
         verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
         audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
@@ -105,14 +117,25 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 
 
 def run(args: argparse.Namespace) -> None:
+    tokenizer_dir = args.engines or args.verifier
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
     if args.prompt_ids:
+        if args.chat:
+            raise ValueError("--chat formats text: pass --prompt, not --prompt-ids")
         prompt = [int(t) for t in args.prompt_ids.split(",")]
         tokenizer = None
     else:
-        tokenizer = load_tokenizer(args.engines or args.verifier)
-        prompt = tokenizer.encode(args.prompt).ids
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if args.chat:
+            prompt = chat_prompt_ids(tokenizer_dir, tokenizer, args.prompt, args.system)
+        else:
+            prompt = tokenizer.encode(args.prompt).ids
     decoder, verifier = build_decoder(args, 1, len(prompt) + args.max_new_tokens)
-    eos = None if args.ignore_eos else verifier.config.eos_token_id
+    eos = None
+    if not args.ignore_eos:
+        chat_ids = chat_stop_token_ids(tokenizer_dir) if args.chat else ()
+        eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids, *chat_ids)))
     out: list[int] = []
     row_stats: list = []
     stream = decoder.stream([prompt], args.max_new_tokens, args.seed, eos, row_stats)
@@ -139,3 +162,12 @@ def run(args: argparse.Namespace) -> None:
     print(f"\n[{s.generated_tokens} tokens, {s.tokens_per_second:.1f} tok/s, "
           f"acceptance {s.acceptance_rate:.2f}, mean acceptance length "
           f"{s.mean_acceptance_length:.2f}, verify steps {s.verify_steps}]", file=sys.stderr)
+
+
+def chat_prompt_ids(model_dir: str, tokenizer, user: str, system: str | None) -> list[int]:
+    """The chat template's text for one user turn (and an optional system turn), encoded
+    without the tokenizer's own special tokens: the template writes them (as transformers'
+    ``apply_chat_template(tokenize=True)`` does)."""
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": user}]
+    return tokenizer.encode(format_chat(model_dir, messages), add_special_tokens=False).ids

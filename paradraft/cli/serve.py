@@ -83,7 +83,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         k = min(4, limits["max_k"]) if args.k is None else args.k
         check_engine_limits(manifest, max_slots, max_seq_len, k,
                             ("max_slots", "max_seq_len", "k"))
-        eos = manifest["models"]["verifier"]["config"]["eos_token_id"]
+        eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
     else:
         defaults = {}
         max_slots = 16 if args.max_slots is None else args.max_slots
@@ -106,8 +106,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        acceptance_floor=args.acceptance_floor)
 
 
-def load_model_config_eos(model_dir: str) -> int | None:
-    return load_config(model_dir).eos_token_id
+def load_model_config_eos(model_dir: str) -> tuple[int, ...]:
+    return load_config(model_dir).eos_token_ids
 
 
 def interrupt_on_sigterm() -> None:

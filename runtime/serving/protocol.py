@@ -13,6 +13,7 @@ import numpy as np
 
 from ..backends.loader import load_engines
 from ..backends.trt import check_limits
+from ..checkpoints import load_draft
 from ..correction import RULES, RuleParams, check_range
 from ..drafters import DRAFTERS, Drafter
 from ..k_policy import check_draft_len_schedule
@@ -37,7 +38,8 @@ class ServeConfig:
     rule: str = "greedy"
     temperature: float = 1.0
     top_p: float = 1.0
-    eos_token_id: int | None = None
+    # the checkpoint's end ids (generation_config.json's win); a request's end_id replaces them
+    eos_token_id: int | tuple[int, ...] | None = None
     rule_defaults: dict = field(default_factory=dict)
     # rounds with at least this many running requests decode without drafts (None: never)
     disable_by_batch_size: int | None = None
@@ -93,7 +95,8 @@ def build_scheduler(config: ServeConfig):
         if config.drafter == "self":
             drafter = Drafter("self", verifier)
         else:
-            drafter = Drafter(config.drafter, load_model(config.draft))
+            drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
+                                                         verifier.config.vocab_size))
     decoder = SpeculativeDecoder(
         verifier, drafter, default_params(config), k=config.k,
         max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
@@ -117,7 +120,7 @@ class ParsedRequest:
     params: RuleParams
     num_draft_tokens: int
     seed: int
-    eos_token_id: int | None
+    eos_token_id: int | tuple[int, ...] | None
     stream: bool
     stop_sequences: list[list[int]]
 
