@@ -101,6 +101,54 @@ def draw_randoms(
     )
 
 
+MASK32 = 0xFFFFFFFF
+STREAM_ACCEPT, STREAM_SAMPLE, STREAM_DRAFT = 0, 1, 2  # draft step j uses STREAM_DRAFT + j
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A full-avalanche 32-bit integer hash (lowbias32), on int64 tensors holding 32-bit
+    values: the products wrap past 2**63, and the mask keeps their low 32 bits, which wrapping
+    leaves exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+@dataclass
+class RowStreams:
+    """Counter-based random numbers, one stream per row: row b's numbers hash (its seed, its
+    counter, a stream id, the element index) and nothing else, so a request's samples do not
+    depend on which rows share its batch or where it sits in it (a shared torch.Generator
+    hands rows consecutive chunks of one sequence). ``counters`` must differ between the
+    draws of a row: the decoder passes the tokens generated so far."""
+
+    keys: Tensor  # [B] int64 in [0, 2**32): mix of seed and counter
+
+    @classmethod
+    def for_rows(cls, seeds: Tensor, counters: Tensor) -> RowStreams:
+        seed_key = mix32((seeds & MASK32) ^ mix32((seeds >> 32) & MASK32 ^ 0x5BD1E995))
+        return cls(mix32(seed_key ^ mix32((counters + 0x27D4EB2F) & MASK32)))
+
+    def uniform(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        """[B, *shape] float32 uniforms in (0, 1): 24 bits, so 0 and 1 are never produced."""
+        index = torch.arange(math.prod(shape), device=self.keys.device).view(shape)
+        per_index = mix32(index ^ mix32(torch.tensor(stream * 0x9E3779B9 & MASK32)))
+        bits = mix32(self.keys.view(-1, *[1] * len(shape)) ^ per_index) >> 8
+        return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+    def exponential(self, stream: int, shape: tuple[int, ...]) -> Tensor:
+        """[B, *shape] Exp(1) noise, finite and > 0 (−log of ``uniform``)."""
+        return self.uniform(stream, shape).log_().neg_()
+
+
+def row_randoms(streams: RowStreams, k: int, vocab: int) -> Randoms:
+    """The correction's random numbers of one round, from each row's own stream."""
+    return Randoms(accept_uniforms=streams.uniform(STREAM_ACCEPT, (k,)),
+                   sample_noise=streams.exponential(STREAM_SAMPLE, (vocab,)))
+
+
 def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
     """Boolean mask of the smallest set of tokens whose mass reaches top_p (nucleus)."""
     if top_p >= 1.0:

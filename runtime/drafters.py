@@ -17,25 +17,25 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .correction import RuleParams, exponential_noise, sample, sampling_probs
+from .correction import STREAM_DRAFT, RowStreams, RuleParams, sample, sampling_probs
 from .model import KVCache, Transformer
 
 DRAFTERS = ("model", "parallel", "self")
 
 
-def choose_drafts(logits: Tensor, sampling: RuleParams | None, gen: torch.Generator
-                  ) -> tuple[Tensor, Tensor | None]:
+def choose_drafts(logits: Tensor, sampling: RuleParams | None, streams: RowStreams | None,
+                  step: int = 0) -> tuple[Tensor, Tensor | None]:
     """Greedy drafts (``sampling`` None), or drafts sampled at the rule's temperature and top-p
-    with the distributions they came from."""
+    with the distributions they came from; draft step ``step`` draws from its own stream."""
     if sampling is None:
         return logits.argmax(-1), None
     q = sampling_probs(logits, sampling.temperature, sampling.top_p)
-    return sample(q, exponential_noise(q.shape, gen, q.device)), q
+    return sample(q, streams.exponential(STREAM_DRAFT + step, q.shape[1:])), q
 
 
 def autoregressive_drafts(model: Transformer, inputs: Tensor, pos: Tensor, lengths: Tensor,
                           k: int, cache: KVCache, kv_len: int, rows: Tensor | None,
-                          sampling: RuleParams | None, gen: torch.Generator,
+                          sampling: RuleParams | None, streams: RowStreams | None,
                           num_layers: int | None) -> tuple[Tensor, Tensor | None]:
     """K steps, each feeding the last draft; ``inputs`` ends with the newest real token.
     Greedy drafts take one engine call where the engine has a fused k-step graph."""
@@ -50,7 +50,7 @@ def autoregressive_drafts(model: Transformer, inputs: Tensor, pos: Tensor, lengt
     for i in range(k):
         logits, _ = model(inputs, pos, cache, kv_len=kv_len, rows=rows, output_index=last,
                           num_layers=num_layers)
-        token, q = choose_drafts(logits, sampling, gen)
+        token, q = choose_drafts(logits, sampling, streams, i)
         drafts.append(token)
         probs.append(q)
         inputs, pos = token, lengths[:, None] + 1 + i
@@ -68,14 +68,14 @@ class ModelDrafter:
     model: Transformer
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
-                rows: Tensor | None, sampling: RuleParams | None, gen: torch.Generator,
+                rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
                 k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
         # re-feed the token before the newest (missing from the cache after a fully accepted
         # block) and one more per round the cache skipped (``missed`` undrafted rounds)
         window = 2 + missed
         pos = (lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)).clamp(min=0)
         return autoregressive_drafts(self.model, tokens.gather(1, pos), pos, lengths, k, cache,
-                                     kv_len, rows, sampling, gen, None)
+                                     kv_len, rows, sampling, streams, None)
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ParallelDrafter:
                 )
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
-                rows: Tensor | None, sampling: RuleParams | None, gen: torch.Generator,
+                rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
                 k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
         # re-feed the last K_max+1 real tokens (the cache may lack up to that many after a
         # fully accepted block), then K−1 masks; outputs at offsets 0..k−1 are the drafts
@@ -108,7 +108,7 @@ class ParallelDrafter:
         out_idx = (back + torch.arange(k, device=lengths.device)).expand(lengths.shape[0], -1)
         logits, _ = self.model(inputs, pos, cache, kv_len=kv_len, rows=rows,
                                output_index=out_idx)
-        return choose_drafts(logits, sampling, gen)
+        return choose_drafts(logits, sampling, streams)
 
 
 @dataclass
@@ -128,12 +128,12 @@ class SelfDrafter:
             raise ValueError(f"self_draft_layers must be in [1, {n - 1}]; got {self.num_layers}")
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
-                rows: Tensor | None, sampling: RuleParams | None, gen: torch.Generator,
+                rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
                 k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
         # the verify pass already wrote these layers' K/V: feed only the newest token
         pos = lengths[:, None]
         return autoregressive_drafts(self.model, tokens.gather(1, pos), pos, lengths, k, cache,
-                                     kv_len, rows, sampling, gen, self.num_layers)
+                                     kv_len, rows, sampling, streams, self.num_layers)
 
 
 AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter

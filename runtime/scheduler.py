@@ -11,8 +11,9 @@ The decoder's correction is vectorised over rows with one set of rule parameters
 running requests form one group per parameter set (rule, temperature, top-p, rule
 parameters); each round steps every group in turn. A request never waits for another
 group to drain: with one parameter set (the usual case) a round is one batched step. Each
-group samples from its own generator, seeded by the request that started the group.
-K (``num_draft_tokens``) is per request.
+request samples from its own counter-based stream (its seed and its tokens so far), so its
+output never depends on what runs beside it. K (``num_draft_tokens``) is per request; 0
+turns drafting off for that request alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from .correction import RuleParams
 from .metrics import SpecStats
@@ -93,7 +92,6 @@ class Scheduler:
         self.lock = threading.Condition()
         self.stopping = False
         self.last_cancel_check = 0.0
-        self.generators: dict[RuleParams, torch.Generator] = {}  # one per running group
         decoder.reset()
         self.thread = threading.Thread(target=self._loop, name="paradraft-scheduler",
                                        daemon=True)
@@ -108,8 +106,9 @@ class Scheduler:
             raise ValueError("stop_sequences must not contain an empty sequence")
         k = request.num_draft_tokens
         width = max(self.decoder.k, 1)
-        if k is not None and (not isinstance(k, int) or not 1 <= k <= width):
-            raise ValueError(f"num_draft_tokens must be an integer in [1, {width}]; got {k!r}")
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= width):
+            raise ValueError(f"num_draft_tokens must be an integer in [0, {width}] (0: no "
+                             f"drafts); got {k!r}")
         dropped: list[Request] = []
         with self.lock:
             if self.stopping:
@@ -179,14 +178,10 @@ class Scheduler:
                     self._use(params)
                     k = None if cap is None else min(
                         cap, max(self.decoder.host_k[s] for s in slots))
-                    new, alive = self.decoder.step(slots, self.generators[params], k)
+                    new, alive = self.decoder.step(slots, k)
                     self._deliver(slots, new, alive)
             except Exception as e:  # a failing round fails its requests, not the server
                 self._fail_all(e)
-            finally:  # a group that emptied seeds afresh from the next request starting it
-                live = {group_key(req.params) for req in self.running.values()}
-                for params in [p for p in self.generators if p not in live]:
-                    del self.generators[params]
 
     @staticmethod
     def _groups(slot_requests) -> list[tuple[RuleParams, list[int]]]:
@@ -207,14 +202,11 @@ class Scheduler:
         try:
             for params, slots in self._groups(admitted):
                 reqs = [by_slot[s] for s in slots]
-                if params not in self.generators:  # a new group: seeded by its first request
-                    self.generators[params] = torch.Generator(device=self.decoder.device)
-                    self.generators[params].manual_seed(reqs[0].seed)
                 self._use(params)
                 new, alive = self.decoder.prefill(
                     slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-                    [r.eos_token_id for r in reqs], self.generators[params],
-                    [r.num_draft_tokens or width for r in reqs])
+                    [r.eos_token_id for r in reqs], [r.seed for r in reqs],
+                    [width if r.num_draft_tokens is None else r.num_draft_tokens for r in reqs])
                 for slot, req in zip(slots, reqs, strict=True):
                     self.running[slot] = req
                 started.update(slots)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .backends.kernels import correct_for
-from .correction import MAX_K, RuleParams, check_k, check_range, draw_randoms
+from .correction import MAX_K, RowStreams, RuleParams, check_k, check_range, row_randoms
 from .drafters import AnyDrafter, Drafter
 from .k_policy import (
     RoundSeconds,
@@ -124,16 +124,15 @@ class SpeculativeDecoder:
 
     # -- one round -------------------------------------------------------------------------
 
-    def step(self, slots: list[int], gen: torch.Generator, k: int | None = None
+    def step(self, slots: list[int], k: int | None = None
              ) -> tuple[list[list[int]], list[bool]]:
         """One round for the running ``slots``: draft → verify → correct → roll back.
         ``k``: the round's K (default: ``round_k``; 0: no drafts).
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
-            return self._step(slots, gen, k)
+            return self._step(slots, k)
 
-    def _step(self, slots: list[int], gen: torch.Generator, k: int | None
-              ) -> tuple[list[list[int]], list[bool]]:
+    def _step(self, slots: list[int], k: int | None) -> tuple[list[list[int]], list[bool]]:
         t0 = time.perf_counter()
         dev = self.device
         rows = torch.tensor(slots, device=dev)
@@ -141,13 +140,16 @@ class SpeculativeDecoder:
         # prefix of the pool): plain cache slices, no per-layer gather copy
         cache_rows = None if slots == list(range(len(slots))) else rows
         lengths, k_rows, tokens = self.lengths[rows], self.k_rows[rows], self.tokens[rows]
+        # each row's own random numbers (its seed, its tokens so far): what a request samples
+        # never depends on the rows beside it
+        streams = RowStreams.for_rows(self.seeds[rows], self.generated[rows])
         # the round drafts the largest K of its rows (capped by the schedule); each row stops
         # at its own K (adaptive K, or a per-request num_draft_tokens)
         k = self.round_k(slots) if k is None else min(k, self.k)
         # attend over the live part of the cache only (host-side bound: no sync needed)
         bound = max(self.host_lengths[s] for s in slots) + 2 * self.k + 2
         # 1. draft
-        draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound, gen,
+        draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound, streams,
                                                       cache_rows)
         t1 = time.perf_counter()
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
@@ -166,8 +168,8 @@ class SpeculativeDecoder:
             leaked_rows = leaked.any(1)
             num_drafted = torch.minimum(torch.where(leaked_rows, leaked.int().argmax(1), width),
                                         num_drafted)
-        randoms = None if self.params.is_greedy else draw_randoms(  # greedy draws nothing
-            len(slots), width, self.verifier.config.vocab_size, gen, dev)
+        randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
+            streams, width, self.verifier.config.vocab_size)
         num_accepted, next_token = correct_for(dev)(
             logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
         # 4. roll back: accepted drafts, then the rule's token at index num_accepted; the new
@@ -188,13 +190,13 @@ class SpeculativeDecoder:
         return out
 
     def _draft_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
-                     bound: int, gen: torch.Generator, cache_rows: Tensor | None
+                     bound: int, streams: RowStreams, cache_rows: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         """The round's drafts (none when ``k`` is 0); tracks the rounds a separate draft
         cache missed, so that the next drafted round re-feeds their tokens."""
         if k:
             missed = max(self.draft_missed[s] for s in slots)
-            drafts = self._draft(tokens, lengths, k, bound, gen, cache_rows, missed)
+            drafts = self._draft(tokens, lengths, k, bound, streams, cache_rows, missed)
             for s in slots:
                 self.draft_missed[s] = 0
             return drafts
@@ -205,14 +207,14 @@ class SpeculativeDecoder:
             self.monitor.relax(0.97)
         return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
 
-    def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int, gen: torch.Generator,
+    def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int, streams: RowStreams,
                rows: Tensor | None = None, missed: int = 0) -> tuple[Tensor, Tensor | None]:
         """``missed``: rounds the draft cache skipped (undrafted rounds): re-feed as many
         more real tokens."""
         cache = self.cache if self.drafter.shares_verifier_cache else self.draft_cache
         # sampled drafts (with their q) only for the rules that use q
         sampling = self.params if self.draft_sampling else None
-        return self.drafter.propose(tokens, lengths, k, cache, bound, rows, sampling, gen,
+        return self.drafter.propose(tokens, lengths, k, cache, bound, rows, sampling, streams,
                                     k_max=self.k, missed=missed)
 
     def _count(self, rows: Tensor, width: int, drafted: Tensor, num_accepted: Tensor,
@@ -256,17 +258,16 @@ class SpeculativeDecoder:
         new_tokens = min(rounds * (self.k + 1) + 1, self.max_seq_len - prompt_len)
         vocab = self.verifier.config.vocab_size
         prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
-        gen = torch.Generator(device=self.device).manual_seed(0)
 
         def time_round(batch_size: int, k: int) -> float:
             slots = list(range(batch_size))
             self.reset()
             self.prefill(slots, [prompt] * batch_size, [new_tokens] * batch_size,
-                         [None] * batch_size, gen)
+                         [None] * batch_size, [0] * batch_size)
             fastest = float("inf")
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                _, alive = self.step(slots, gen, k=k)
+                _, alive = self.step(slots, k=k)
                 fastest = min(fastest, time.perf_counter() - t0)
                 if not all(alive):
                     break
@@ -296,6 +297,7 @@ class SpeculativeDecoder:
         self.generated = torch.zeros(S, dtype=torch.long, device=dev)
         self.limit = torch.zeros(S, dtype=torch.long, device=dev)
         self.eos = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
+        self.seeds = torch.zeros(S, dtype=torch.long, device=dev)
         self.k_rows = torch.full((S,), width, dtype=torch.long, device=dev)
         # verify steps, drafted, accepted, rollbacks, steps with drafts, causal leaks
         self.counters = torch.zeros(6, S, dtype=torch.long, device=dev)
@@ -326,21 +328,22 @@ class SpeculativeDecoder:
         prompts: list[list[int]],
         max_new_tokens: list[int],
         eos_token_ids: list[EosIds],
-        gen: torch.Generator,
+        seeds: list[int],
         num_draft_tokens: list[int] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier (and a separate draft) over the
         right-padded prompts and take the first token from the same correction code (K=0).
+        ``seeds``: per request, the seed of its own random stream (``RowStreams``).
         ``eos_token_ids``: per request, an end id, a list of them (generation stops at any)
         or None. ``num_draft_tokens``: per-request K (<= the decoder's K; default: K;
         0: no drafts).
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
-            return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, gen,
+            return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, seeds,
                                  num_draft_tokens)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
-                 eos_token_ids: list[EosIds], gen: torch.Generator,
+                 eos_token_ids: list[EosIds], seeds: list[int],
                  num_draft_tokens: list[int] | None) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
@@ -371,6 +374,7 @@ class SpeculativeDecoder:
         self.generated[rows] = 0
         self.limit[rows] = torch.tensor(max_new_tokens, device=dev)
         self.eos[rows] = eos.to(dev)
+        self.seeds[rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
         self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
         self.counters[:, rows] = 0
         self.per_pos[:, rows] = 0
@@ -386,8 +390,9 @@ class SpeculativeDecoder:
                                output_index=last)
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         vocab = self.verifier.config.vocab_size
+        streams = RowStreams.for_rows(self.seeds[rows], self.generated[rows])
         _, first = correct_for(dev)(logits, empty, None, self.params,
-                                    draw_randoms(B, 0, vocab, gen, dev))
+                                    row_randoms(streams, 0, vocab))
         self.tokens[rows, prompt_lens] = first
         out = self._emit(rows, first[:, None], torch.zeros_like(first))
         self.times[3, slots] += time.perf_counter() - t0
@@ -455,10 +460,10 @@ class SpeculativeDecoder:
         if self.draft_len_schedule == "auto" and self.k and self.round_seconds is None:
             self.calibrate()
         self.reset()
-        gen = torch.Generator(device=self.device).manual_seed(seed)
         slots = list(range(B))
         t0 = time.perf_counter()
-        new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B, gen)
+        new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B,
+                                    row_seeds(seed, B))
         while True:
             out = [[] for _ in range(B)]
             for slot, tokens in zip(slots, new, strict=True):
@@ -467,7 +472,7 @@ class SpeculativeDecoder:
             slots = [s for s, r in zip(slots, running, strict=True) if r]
             if not slots:
                 break
-            new, running = self.step(slots, gen)
+            new, running = self.step(slots)
         if stats is not None:
             total = time.perf_counter() - t0
             for b in range(B):
@@ -490,3 +495,9 @@ class SpeculativeDecoder:
         return GenerationResult(out, row_stats, aggregate(row_stats))
 
 
+
+
+def row_seeds(seed: int, batch_size: int) -> list[int]:
+    """Distinct per-row seeds for a batch generated under one ``seed``; row 0 gets ``seed``
+    itself, so a prompt generated alone samples as a served request with that seed."""
+    return [(seed + b * 1_000_003) % 2**63 for b in range(batch_size)]

@@ -75,14 +75,13 @@ def test_a_request_without_drafts_decodes_plainly_beside_drafting_rows(pair):
     dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=4,
                              max_batch_size=2, adaptive_k=True)
     prompts = [[5, 9, 14], [7, 3, 2, 8]]
-    gen = torch.Generator().manual_seed(0)
     dec.reset()
-    new, running = dec.prefill([0, 1], prompts, [20, 20], [None, None], gen,
+    new, running = dec.prefill([0, 1], prompts, [20, 20], [None, None], [0, 1],
                                num_draft_tokens=[0, 4])
     out = [list(t) for t in new]
     while any(running):
         slots = [s for s, r in zip([0, 1], running, strict=True) if r]
-        new, still = dec.step(slots, gen)
+        new, still = dec.step(slots)
         for s, t in zip(slots, new, strict=True):
             out[s] += t
         running = [s in slots and still[slots.index(s)] for s in (0, 1)]
