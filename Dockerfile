@@ -48,8 +48,11 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PARADRAFT_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
     PARADRAFT_TRTLLM_SRC=/opt/tensorrt_llm_src
 
-# HTTP, gRPC, metrics
-EXPOSE 8000 8001 8002
+# Triton HTTP, gRPC, metrics, and the OpenAI-compatible API: `paradraft serve`'s default ports,
+# which deploy/k8s declares too (tests/test_k8s.py checks all three agree)
+EXPOSE 8000 8001 8002 9000
+# `paradraft serve` drains on SIGTERM (--drain-seconds); Kubernetes and `docker stop` send it
+STOPSIGNAL SIGTERM
 # Serve an engine dir mounted at /engines (`paradraft build --out /engines ...`). The
 # TensorRT-LLM deployment (`--backend trtllm`) is served by its generated serve_trtllm.sh.
 CMD ["paradraft", "serve", "--engines", "/engines", "--host", "0.0.0.0"]

@@ -22,11 +22,20 @@ What TensorRT-LLM does not offer, stated here rather than hidden:
 - PARD (parallel draft) exists only in the LLM API / PyTorch backend as ``PARDDecodingConfig``
   (NVIDIA/TensorRT-LLM PR #11438, merged 2026-02, after the 1.1.0 release this image pins);
   there is no PARD engine path, so a parallel draft is recorded as an LLM API config only.
+- Parallel engines: tensor parallelism only. The verifier takes ``tp_size`` (the draft its own
+  ``draft_tp_size``, default 1); ``pp_size`` > 1 is refused, because TensorRT-LLM runs no
+  draft model under pipeline parallelism: its draft-target example lists Tensor Parallel as the
+  only parallel mode (examples/draft_target_model/README.md, "Support Matrix"), its Triton
+  launcher's --world_size reads "only support tensor parallelism now", and the LLM API's PyTorch
+  executor raises "Drafting is not supported for selected executor loop. Please disable
+  disagg/pipeline parallelism scheduler." (tensorrt_llm/_torch/pyexecutor/py_executor.py;
+  NVIDIA/TensorRT-LLM issue #9009, still open at 1.2.0rc2).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shlex
 import shutil
@@ -83,6 +92,31 @@ class TrtllmJob:
     use_draft_logits: bool = False
     src: Path = DEFAULT_SRC
     python: str = "python3"
+    # tensor / pipeline parallel ranks of the verifier; the draft is small and stays on
+    # draft_tp_size ranks (default 1) sharing the verifier's first GPUs
+    tp_size: int = 1
+    pp_size: int = 1
+    draft_tp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the verifier engine (one GPU each)."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def gpus_needed(self) -> int:
+        # the draft runs on the verifier's first draft_tp_size GPUs (TensorRT-LLM's
+        # draft-target guide: sharing a GPU beats a GPU of its own when memory allows)
+        return max(self.world_size, self.draft_tp_size)
+
+    def parallel(self, role: str) -> tuple[int, int]:
+        """(tp, pp) of one engine."""
+        return (self.tp_size, self.pp_size) if role == "verifier" else (self.draft_tp_size, 1)
+
+    def gpu_device_ids(self, role: str) -> str:
+        """The ``gpu_device_ids`` of its Triton model: one GPU per rank, from GPU 0."""
+        tp, pp = self.parallel(role)
+        return ",".join(str(i) for i in range(tp * pp))
 
     @property
     def max_input_len(self) -> int:
@@ -120,7 +154,9 @@ def draft_logits_for_rule(rule: str) -> bool:
 
 def check_job(job: TrtllmJob) -> None:
     for label, value, low in [("max_batch_size", job.max_batch_size, 1),
-                              ("max_k", job.max_k, 1), ("max_seq_len", job.max_seq_len, 2)]:
+                              ("max_k", job.max_k, 1), ("max_seq_len", job.max_seq_len, 2),
+                              ("--tp-size", job.tp_size, 1), ("--pp-size", job.pp_size, 1),
+                              ("--draft-tp-size", job.draft_tp_size, 1)]:
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{label} must be an integer >= {low}; got {value!r}")
     if job.dtype not in DTYPES:
@@ -129,6 +165,7 @@ def check_job(job: TrtllmJob) -> None:
         if model_type not in CONVERT_SCRIPTS:
             raise ValueError(f"{label} model_type {model_type!r} has no TensorRT-LLM converter "
                              f"here; supported: {', '.join(CONVERT_SCRIPTS)}")
+    check_pipeline(job)
 
 
 def check_pair(verifier: ModelConfig, draft: ModelConfig, draft_dir: Path) -> None:
@@ -138,15 +175,88 @@ def check_pair(verifier: ModelConfig, draft: ModelConfig, draft_dir: Path) -> No
                          f"verifier's {verifier.vocab_size}")
 
 
+def check_pipeline(job: TrtllmJob) -> None:
+    """Refuse pipeline parallelism: every engine this build makes serves a draft model."""
+    if job.pp_size != 1:
+        raise ValueError(
+            f"--pp-size {job.pp_size}: TensorRT-LLM does not run a draft model (speculative "
+            "decoding) with pipeline parallelism: its draft-target path supports tensor "
+            "parallelism only and the LLM API refuses drafting with pipeline_parallel_size > 1. "
+            f"Valid: --pp-size 1; spread the verifier with --tp-size instead")
+
+
+def check_heads(flag: str, tp: int, role: str, config: ModelConfig) -> str | None:
+    """``tp`` must split the attention heads evenly; KV heads split evenly or, when tp is a
+    multiple of them, are replicated (TensorRT-LLM's converters call dup_kv_weight, which
+    asserts tp_size % num_kv_heads == 0). Returns a note when KV heads are replicated."""
+    heads, kv = config.n_heads, config.n_kv_heads
+    valid = ", ".join(str(d) for d in range(1, heads + 1)
+                      if heads % d == 0 and (kv % d == 0 or d % kv == 0))
+    if heads % tp:
+        raise ValueError(f"{flag} {tp}: must divide the {role}'s num_attention_heads {heads}; "
+                         f"valid: {valid}")
+    if kv % tp == 0:
+        return None
+    if tp % kv == 0:
+        return (f"{flag} {tp} > the {role}'s num_key_value_heads {kv}: TensorRT-LLM replicates "
+                f"each KV head on {tp // kv} ranks, so the KV cache per GPU holds one head and "
+                "shrinks no further")
+    raise ValueError(f"{flag} {tp}: must divide the {role}'s num_key_value_heads {kv} or be a "
+                     f"multiple of it (TensorRT-LLM then replicates KV heads); valid: {valid}")
+
+
+def check_parallel(job: TrtllmJob, verifier: ModelConfig, draft: ModelConfig) -> list[str]:
+    """The tensor-parallel sizes against the two models' heads; returns notes."""
+    notes = [check_heads("--tp-size", job.tp_size, "verifier", verifier),
+             check_heads("--draft-tp-size", job.draft_tp_size, "draft", draft)]
+    return [n for n in notes if n]
+
+
+def detect_gpu_count() -> int | None:
+    """GPUs that ``nvidia-smi -L`` lists (as TensorRT-LLM's launch_triton_server.py counts
+    them); None where there is no nvidia-smi or it fails (a CPU machine). Nothing is imported:
+    torch would report 0 on a CPU build machine, which is unknown rather than none."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    return count or None  # a driver without a GPU: nothing to check against
+
+
+def check_world_size(job: TrtllmJob, gpus: int | None, source: str = "--gpus") -> str:
+    """tp × pp (and the draft's tp) against the GPUs the server will have. ``gpus`` None
+    (unknown: a CPU build machine, no --gpus) skips the check and says so."""
+    need = job.gpus_needed
+    layout = (f"--tp-size {job.tp_size} × --pp-size {job.pp_size} = {job.world_size} ranks "
+              f"(--draft-tp-size {job.draft_tp_size})")
+    if gpus is None:
+        return (f"GPU count unknown (no --gpus, no nvidia-smi): skipped checking {layout} "
+                f"against the GPUs; the server needs {need} GPU(s)")
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be an integer >= 1; got {gpus!r}")
+    if need > gpus:
+        raise ValueError(f"{layout} need {need} GPU(s) but {source} gives {gpus}; valid: "
+                         f"--tp-size × --pp-size <= {gpus} and --draft-tp-size <= {gpus}")
+    return f"{layout}: {need} of {gpus} GPU(s) ({source})"
+
+
 # -- command assembly (pure) ---------------------------------------------------------------
 
 
 def convert_argv(job: TrtllmJob, role: str) -> list[str]:
     model_dir, model_type = ((job.verifier, job.verifier_type) if role == "verifier"
                              else (job.draft, job.draft_type))
+    tp, pp = job.parallel(role)
+    # the checkpoint carries the mapping: trtllm-build then writes one engine per rank
     return [job.python, str(job.src / CONVERT_SCRIPTS[model_type]),
             "--model_dir", str(model_dir), "--output_dir", str(job.ckpt_dir(role)),
-            "--dtype", job.dtype, "--tp_size", "1"]
+            "--dtype", job.dtype, "--tp_size", str(tp), "--pp_size", str(pp)]
 
 
 def trtllm_build_argv(job: TrtllmJob, role: str) -> list[str]:
@@ -182,7 +292,8 @@ def build_steps(job: TrtllmJob) -> list[Step]:
 def llm_api_config(job: TrtllmJob, parallel_draft: Path | None = None,
                    mask_token_id: int | None = None) -> dict:
     """JSON-able keyword arguments for ``tensorrt_llm.LLM``. ``speculative_model_dir`` is the
-    field name of TensorRT-LLM 1.1 and an accepted alias of ``speculative_model`` later."""
+    field name of TensorRT-LLM 1.1 and an accepted alias of ``speculative_model`` later. The
+    PyTorch backend runs the draft with the target's mapping: it has no draft_tp_size."""
     spec = {"decoding_type": "Draft_Target", "max_draft_len": job.max_k,
             "speculative_model_dir": str(job.draft)}
     if parallel_draft is not None:
@@ -190,6 +301,7 @@ def llm_api_config(job: TrtllmJob, parallel_draft: Path | None = None,
                 "speculative_model_dir": str(parallel_draft), "mask_token_id": mask_token_id}
     return {"model": str(job.verifier), "max_batch_size": job.max_batch_size,
             "max_seq_len": job.max_seq_len, "max_input_len": job.max_input_len,
+            "tensor_parallel_size": job.tp_size, "pipeline_parallel_size": job.pp_size,
             "speculative_config": spec}
 
 
@@ -301,6 +413,15 @@ class TritonRepoSpec:
     kv_cache_reuse: bool = True
     # two engines share one GPU: each gets a fraction of the free memory for its KV cache
     kv_cache_free_gpu_mem_fraction: float = 0.4
+    # one GPU per rank (TensorRT-LLM's gpu_device_ids: "Comma-separated list of GPU IDs")
+    target_gpu_ids: str = "0"
+    draft_gpu_ids: str = "0"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the server uses (the models' device ids are 0..n-1)."""
+        ids = {i for ids in (self.target_gpu_ids, self.draft_gpu_ids) for i in ids.split(",")}
+        return len(ids)
 
 
 def ensemble_config(spec: TritonRepoSpec) -> str:
@@ -364,7 +485,6 @@ def stock_values(spec: TritonRepoSpec) -> dict[str, dict[str, str]]:
         # text_output carries only the new text, as our own deployment's does (the BLS reads
         # this setting of both models to find the draft's new tokens in its output)
         "exclude_input_in_output": "True",
-        "gpu_device_ids": "0",
         "encoder_input_features_data_type": "TYPE_FP16",
         "prompt_embedding_table_data_type": "TYPE_FP16",
         "tokenizer_dir": spec.tokenizer_dir,
@@ -375,8 +495,10 @@ def stock_values(spec: TritonRepoSpec) -> dict[str, dict[str, str]]:
                           "add_special_tokens": "True"},
         "postprocessing": {**text, "postprocessing_instance_count": "1",
                            "skip_special_tokens": "True"},
-        "tensorrt_llm": {**engine, "engine_dir": spec.target_engine},
-        "tensorrt_llm_draft": {**engine, "engine_dir": spec.draft_engine},
+        "tensorrt_llm": {**engine, "engine_dir": spec.target_engine,
+                         "gpu_device_ids": spec.target_gpu_ids},
+        "tensorrt_llm_draft": {**engine, "engine_dir": spec.draft_engine,
+                               "gpu_device_ids": spec.draft_gpu_ids},
         # batch 1 per request (the speculative path refuses more); one instance per request
         # the engines can batch, so that many requests run their loops at once
         "tensorrt_llm_bls": {**common, "triton_max_batch_size": "1", "decoupled_mode": "False",
@@ -426,25 +548,39 @@ def write_triton_repo(spec: TritonRepoSpec, stock_dir: Path, out: Path) -> Path:
     return out
 
 
-def launch_command(repo: Path) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) to serve the repository: what TensorRT-LLM's launch_triton_server.py
-    --multi-model --world_size 1 runs (two TensorRT-LLM models in one server need the
-    orchestrator mode, which spawns one executor worker per model)."""
+def launch_command(repo: Path, gpus: int = 1) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) to serve the repository on ``gpus`` GPUs: what TensorRT-LLM's
+    launch_triton_server.py --multi-model --world_size 1 runs. Two TensorRT-LLM models in one
+    server need the orchestrator mode, and there mpirun starts one process whatever the
+    engines' world size: launch_triton_server.py asserts "World size must be 1 when using
+    multi-model without disable-spawn-processes"; the orchestrator spawns each model's tp × pp
+    ranks itself on the GPUs of its gpu_device_ids."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be an integer >= 1; got {gpus!r}")
+    # no CUDA memory pool on any GPU the spawned workers use (launch_triton_server.py adds
+    # one --cuda-memory-pool-byte-size=<gpu>:0 per GPU in orchestrator mode)
+    pools = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(gpus)]
     argv = ["mpirun", "--allow-run-as-root", "-n", "1", "/opt/tritonserver/bin/tritonserver",
             f"--model-repository={repo}", f"--grpc-port={GRPC_PORT}", "--http-port=8000",
             "--metrics-port=8002", "--pinned-memory-pool-byte-size=0",
-            "--enable-peer-access=false", "--cuda-memory-pool-byte-size=0:0",
+            "--enable-peer-access=false", *pools,
             "--disable-auto-complete-config",
             "--backend-config=python,shm-region-prefix-name=prefix0_"]
     env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
     return argv, env
 
 
-def launch_script(repo: Path) -> str:
-    argv, env = launch_command(repo)
+def launch_script(repo: Path, spec: TritonRepoSpec | None = None) -> str:
+    gpus = spec.gpus if spec is not None else 1
+    argv, env = launch_command(repo, gpus)
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+    layout = ""
+    if spec is not None:
+        layout = (f"# GPUs: tensorrt_llm (verifier) on {spec.target_gpu_ids}, "
+                  f"tensorrt_llm_draft on {spec.draft_gpu_ids}; the orchestrator spawns one "
+                  "worker per rank\n")
     return (f"#!/usr/bin/env bash\n# Generated by `paradraft build --backend trtllm`: serve "
-            f"{repo} in {IMAGE}\nset -eu\n{exports}\nexec {shlex.join(argv)}\n")
+            f"{repo} in {IMAGE}\n{layout}set -eu\n{exports}\nexec {shlex.join(argv)}\n")
 
 
 # -- the build ----------------------------------------------------------------------------
@@ -469,23 +605,44 @@ def copy_tokenizer(verifier: Path, out: Path) -> str | None:
 
 
 def engine_graphs(job: TrtllmJob, role: str) -> dict:
-    # trtllm-build writes config.json + rank<r>.engine per tensor-parallel rank (tp 1 here)
+    """trtllm-build writes config.json + rank<r>.engine for each of the tp × pp ranks."""
     rel = job.engine_dir(role).relative_to(job.out)
-    return {"engine": {"file": str(rel / "rank0.engine")},
-            "engine_config": {"file": str(rel / "config.json")}}
+    tp, pp = job.parallel(role)
+    ranks = {("engine" if r == 0 else f"engine_rank{r}"): {"file": str(rel / f"rank{r}.engine")}
+             for r in range(tp * pp)}
+    return {**ranks, "engine_config": {"file": str(rel / "config.json")}}
+
+
+def parallel_manifest(job: TrtllmJob, gpu_check: str, notes: list[str]) -> dict:
+    """The ranks and GPUs of each engine, and what was checked, for manifest.json."""
+    roles = {}
+    for role in ("verifier", "draft"):
+        tp, pp = job.parallel(role)
+        roles[role] = {"tp_size": tp, "pp_size": pp, "gpu_device_ids": job.gpu_device_ids(role)}
+    return {**roles, "gpus_needed": job.gpus_needed, "gpu_check": gpu_check, "notes": notes}
+
+
+def plain(config: ModelConfig) -> dict:
+    """A model config as manifest.json stores it (tuples become lists), so the manifest this
+    build returns equals the one read back."""
+    return json.loads(json.dumps(asdict(config)))
 
 
 def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
                  parallel_draft: Path | None = None, serve_root: Path | None = None,
-                 runner: Callable[[list[Step], Path], None] | None = None) -> dict:
+                 runner: Callable[[list[Step], Path], None] | None = None,
+                 gpus: int | None = None, gpus_source: str = "--gpus") -> dict:
     """Convert + build both engines, write the Triton repository and manifest.json; returns
     the manifest. ``serve_root``: where ``job.out`` will be mounted when served (default: its
     absolute path here). ``runner``: replaces ``run_steps`` (tests); without it the tools
-    must be present."""
+    must be present. ``gpus``: GPUs of the serving machine, checked against the ranks (None:
+    unknown, the check is skipped and the manifest says so)."""
     rule_defaults = rule_defaults or RuleParams("greedy")
     check_job(job)
     vc, dc = load_config(job.verifier), load_config(job.draft)
     check_pair(vc, dc, job.draft)
+    notes = check_parallel(job, vc, dc)
+    gpu_check = check_world_size(job, gpus, gpus_source)
     mask_token_id = None
     if parallel_draft is not None:
         mask_token_id = load_config(parallel_draft).mask_token_id
@@ -497,7 +654,8 @@ def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
         target_engine=str(root / job.engine_dir("verifier").relative_to(job.out)),
         draft_engine=str(root / job.engine_dir("draft").relative_to(job.out)),
         tokenizer_dir=str(root / "tokenizer"), max_batch_size=job.max_batch_size,
-        max_seq_len=job.max_seq_len, max_k=job.max_k, kv_cache_reuse=job.kv_cache_reuse)
+        max_seq_len=job.max_seq_len, max_k=job.max_k, kv_cache_reuse=job.kv_cache_reuse,
+        target_gpu_ids=job.gpu_device_ids("verifier"), draft_gpu_ids=job.gpu_device_ids("draft"))
     if runner is None:
         require_tools(job)
         runner = run_steps
@@ -507,7 +665,7 @@ def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
 
     tokenizer = copy_tokenizer(job.verifier, job.out)
     write_triton_repo(spec, job.src / STOCK_MODELS_DIR, job.out / "triton_repo")
-    (job.out / "serve_trtllm.sh").write_text(launch_script(root / "triton_repo"))
+    (job.out / "serve_trtllm.sh").write_text(launch_script(root / "triton_repo", spec))
     (job.out / "serve_trtllm.sh").chmod(0o755)
 
     manifest = {
@@ -519,9 +677,9 @@ def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
         "tokenizer": tokenizer,
         "rule_defaults": asdict(rule_defaults),
         "models": {
-            "verifier": {"source": str(job.verifier), "config": asdict(vc),
+            "verifier": {"source": str(job.verifier), "config": plain(vc),
                          "graphs": engine_graphs(job, "verifier")},
-            "draft": {"source": str(job.draft), "config": asdict(dc),
+            "draft": {"source": str(job.draft), "config": plain(dc),
                       "graphs": engine_graphs(job, "draft")},
         },
         # a parallel draft has no engine here: it is in trtllm.llm_api (PARD) only
@@ -533,6 +691,7 @@ def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
             "max_draft_len": job.max_k,
             "use_draft_logits": job.use_draft_logits,
             "kv_cache_reuse": job.kv_cache_reuse,
+            "parallel": parallel_manifest(job, gpu_check, notes),
             "steps": [asdict(s) for s in steps],
             "triton_repo": "triton_repo",
             "launch": "serve_trtllm.sh",

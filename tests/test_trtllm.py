@@ -77,7 +77,7 @@ ENGINE_TEMPLATE = (
         ("max_attention_window_size", "max_attention_window_size"),
         ("enable_kv_cache_reuse", "enable_kv_cache_reuse"),
         ("exclude_input_in_output", "exclude_input_in_output"),
-        ("gpt_model_type", "batching_strategy")]))
+        ("gpt_model_type", "batching_strategy"), ("gpu_device_ids", "gpu_device_ids")]))
 # tensorrt_llm_bls's declarations of the tensors the ensemble maps (TensorRT-LLM's stock
 # config: names, types, dims, reshape), and a few it has besides
 BLS_IN = [("text_input", "TYPE_STRING", ""), ("max_tokens", "TYPE_INT32", ""),
@@ -211,6 +211,204 @@ def test_llm_api_config_draft_target_and_pard(tmp_path):
                                          "speculative_model_dir": str(DEMO / "draft")}
     pard = trtllm.llm_api_config(j, DEMO / "parallel_draft", 2)["speculative_config"]
     assert pard["decoding_type"] == "PARD" and pard["mask_token_id"] == 2
+    assert (cfg["tensor_parallel_size"], cfg["pipeline_parallel_size"]) == (1, 1)
+    assert trtllm.llm_api_config(job(tmp_path, tp_size=2))["tensor_parallel_size"] == 2
+
+
+# -- parallel engines -------------------------------------------------------------------------
+
+# Argument names of TensorRT-LLM's engine tools, pinned so that a renamed or invented flag fails
+# here rather than in a GPU build. Read from NVIDIA/TensorRT-LLM (main-branch snapshots later
+# than v1.1.0, the release the Dockerfile pins; every name used below is also in older
+# releases' parsers): trtllm-build = tensorrt_llm/commands/build.py parse_arguments() plus the
+# plugin options tensorrt_llm/plugin/plugin.py exposes (cli_plugin_args).
+
+
+def dashed(names: str) -> frozenset[str]:
+    return frozenset("--" + name for name in names.split())
+
+
+TRTLLM_BUILD_FLAGS = dashed("""
+    checkpoint_dir model_config build_config model_cls_file model_cls_name output_dir
+    max_batch_size max_input_len max_seq_len max_decoder_seq_len max_beam_width max_num_tokens
+    opt_num_tokens max_encoder_input_len max_prompt_embedding_table_size max_multimodal_len
+    kv_cache_type paged_kv_cache input_timing_cache output_timing_cache profiling_verbosity
+    strip_plan weight_sparsity weight_streaming fast_build workers log_level
+    enable_debug_output visualize_network dry_run monitor_memory logits_dtype
+    gather_context_logits gather_generation_logits gather_all_token_logits lora_dir
+    lora_ckpt_source lora_target_modules max_lora_rank speculative_decoding_mode max_draft_len
+    auto_parallel gpus_per_node cluster_key
+    bert_attention_plugin gpt_attention_plugin gemm_plugin gemm_swiglu_plugin
+    fp8_rowwise_gemm_plugin lora_plugin dora_plugin moe_plugin mamba_conv1d_plugin nccl_plugin
+    low_latency_gemm_plugin low_latency_gemm_swiglu_plugin gemm_allreduce_plugin context_fmha
+    bert_context_fmha_fp32_acc remove_input_padding tokens_per_block use_paged_context_fmha
+    use_fp8_context_fmha fuse_fp4_quant multiple_profiles paged_state streamingllm
+    norm_quant_fusion reduce_fusion user_buffer use_fused_mlp pp_reduce_scatter""")
+# trtllm-build --speculative_decoding_mode choices (same file)
+SPECULATIVE_MODES = {"draft_tokens_external", "lookahead_decoding", "medusa",
+                     "explicit_draft_tokens", "eagle"}
+# The options all three converters we call have in common (examples/models/core/{llama,qwen,
+# gpt}/convert_checkpoint.py parse_arguments()): one argv shape serves every family.
+CONVERT_FLAGS = dashed("""
+    model_dir output_dir dtype tp_size pp_size workers load_model_on_cpu use_parallel_embedding
+    embedding_sharding_dim use_weight_only weight_only_precision int8_kv_cache per_channel
+    per_token smoothquant calib_dataset""")
+CONVERT_DTYPES = {"auto", "float16", "bfloat16", "float32"}  # --dtype choices there
+
+
+def flags_of(argv: list[str]) -> list[str]:
+    return [a for a in argv if a.startswith("--")]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1)])
+def test_parallel_commands_use_tensorrt_llm_flag_names(tmp_path, tp, pp):
+    j = job(tmp_path, tp_size=tp, pp_size=pp, dtype="bfloat16", use_draft_logits=True)
+    steps = {s.name: s.argv for s in trtllm.build_steps(j)}
+    for role, draft_tp in [("verifier", tp), ("draft", 1)]:
+        convert = steps[f"convert {role}"]
+        assert set(flags_of(convert)) <= CONVERT_FLAGS, set(flags_of(convert)) - CONVERT_FLAGS
+        assert flag(convert, "--dtype") in CONVERT_DTYPES
+        # the mapping is fixed at conversion: trtllm-build then builds one engine per rank
+        want = (str(tp), str(pp)) if role == "verifier" else (str(draft_tp), "1")
+        assert (flag(convert, "--tp_size"), flag(convert, "--pp_size")) == want
+        build = steps[f"trtllm-build {role}"]
+        assert set(flags_of(build)) <= TRTLLM_BUILD_FLAGS, set(flags_of(build)) - TRTLLM_BUILD_FLAGS
+        assert "--tp_size" not in build  # trtllm-build reads the mapping from the checkpoint
+    verifier = steps["trtllm-build verifier"]
+    assert flag(verifier, "--speculative_decoding_mode") in SPECULATIVE_MODES
+    assert flag(verifier, "--use_paged_context_fmha") in {"enable", "disable"}
+    assert j.gpu_device_ids("verifier") == ",".join(map(str, range(tp)))
+    assert j.gpu_device_ids("draft") == "0"
+
+
+def test_pipeline_parallelism_with_a_draft_is_refused_by_name(tmp_path, stock_src):
+    with pytest.raises(ValueError, match=r"--pp-size 2: TensorRT-LLM does not run a draft "
+                                         r"model .*pipeline parallelism.*Valid: --pp-size 1"):
+        trtllm.check_job(job(tmp_path, pp_size=2))
+    calls: list = []
+    with pytest.raises(ValueError, match="--pp-size 4"):
+        trtllm.build_trtllm(job(tmp_path, tp_size=2, pp_size=4), runner=fake_runner(calls))
+    assert calls == []
+    for label, kw in [("--tp-size", {"tp_size": 0}), ("--pp-size", {"pp_size": -1}),
+                      ("--draft-tp-size", {"draft_tp_size": 0})]:
+        with pytest.raises(ValueError, match=rf"{label} must be an integer >= 1"):
+            trtllm.check_job(job(tmp_path, **kw))
+
+
+def test_tensor_parallel_sizes_against_the_heads(tmp_path):
+    from dataclasses import replace
+
+    from paradraft.runtime.model import load_config
+
+    v, d = load_config(DEMO / "verifier"), load_config(DEMO / "draft")  # 8/4 and 4/2 heads
+    assert (v.n_heads, v.n_kv_heads, d.n_heads, d.n_kv_heads) == (8, 4, 4, 2)
+    assert trtllm.check_parallel(job(tmp_path, tp_size=4, draft_tp_size=2), v, d) == []
+    with pytest.raises(ValueError, match=r"--tp-size 3: must divide the verifier's "
+                                         r"num_attention_heads 8; valid: 1, 2, 4, 8"):
+        trtllm.check_parallel(job(tmp_path, tp_size=3), v, d)
+    with pytest.raises(ValueError, match=r"--draft-tp-size 3: .*draft's num_attention_heads 4"):
+        trtllm.check_parallel(job(tmp_path, draft_tp_size=3), v, d)
+    # more ranks than KV heads: TensorRT-LLM's converters replicate them (dup_kv_weight)
+    notes = trtllm.check_parallel(job(tmp_path, tp_size=8), v, d)
+    assert len(notes) == 1 and "--tp-size 8" in notes[0] and "replicates" in notes[0]
+    # neither a divisor nor a multiple of the KV heads: refused
+    odd = replace(v, n_heads=12, n_kv_heads=4)
+    with pytest.raises(ValueError, match=r"--tp-size 6: must divide the verifier's "
+                                         r"num_key_value_heads 4 .*valid: 1, 2, 4, 12"):
+        trtllm.check_parallel(job(tmp_path, tp_size=6), odd, d)
+
+
+def test_world_size_against_the_gpus(tmp_path):
+    two = job(tmp_path, tp_size=2)
+    assert "skipped" in trtllm.check_world_size(two, None)
+    assert "needs 2 GPU(s)" in trtllm.check_world_size(two, None)
+    assert "2 of 4 GPU(s) (--gpus)" in trtllm.check_world_size(two, 4)
+    with pytest.raises(ValueError, match=r"--tp-size 2 × --pp-size 1 = 2 ranks .* need 2 "
+                                         r"GPU\(s\) but nvidia-smi gives 1"):
+        trtllm.check_world_size(two, 1, "nvidia-smi")
+    with pytest.raises(ValueError, match=r"--draft-tp-size 2\) need 2 GPU"):
+        trtllm.check_world_size(job(tmp_path, draft_tp_size=2), 1)
+    with pytest.raises(ValueError, match="--gpus must be an integer >= 1; got 0"):
+        trtllm.check_world_size(two, 0)
+
+
+def test_gpu_count_from_nvidia_smi_or_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi: a CPU machine
+    assert trtllm.detect_gpu_count() is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\n"
+                   "echo 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    assert trtllm.detect_gpu_count() == 2
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert trtllm.detect_gpu_count() is None
+    smi.write_text("#!/bin/sh\necho 'No devices found.'\n")  # a driver, no GPU: unknown
+    assert trtllm.detect_gpu_count() is None
+
+
+def test_repository_and_launch_for_tensor_parallel_engines(tmp_path, stock_src):
+    s = spec(target_gpu_ids="0,1,2,3", draft_gpu_ids="0")
+    repo = trtllm.write_triton_repo(s, stock_src / trtllm.STOCK_MODELS_DIR, tmp_path / "repo")
+    target = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    draft = (repo / "tensorrt_llm_draft" / "config.pbtxt").read_text()
+    assert parameters(target)["gpu_device_ids"] == "0,1,2,3"
+    assert parameters(draft)["gpu_device_ids"] == "0"
+    assert s.gpus == 4
+    argv, env = trtllm.launch_command(Path("/r"), s.gpus)
+    # orchestrator mode: one mpirun process; the ranks are spawned per model
+    assert argv[:4] == ["mpirun", "--allow-run-as-root", "-n", "1"]
+    assert env["TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES"] == "1"
+    pools = [a for a in argv if a.startswith("--cuda-memory-pool-byte-size=")]
+    assert pools == [f"--cuda-memory-pool-byte-size={g}:0" for g in range(4)]
+    script = trtllm.launch_script(Path("/r"), s)
+    assert "tensorrt_llm (verifier) on 0,1,2,3" in script
+    with pytest.raises(ValueError, match="gpus must be an integer >= 1"):
+        trtllm.launch_command(Path("/r"), 0)
+
+
+def test_tensor_parallel_build(tmp_path, stock_src):
+    j = job(tmp_path, tp_size=2, dtype="float16")
+    m = trtllm.build_trtllm(j, runner=fake_runner([]), serve_root=Path("/engines/trtllm"),
+                            gpus=2)
+    assert m == read_manifest(j.out)
+    assert {"trtllm/engines/verifier/rank0.engine", "trtllm/engines/verifier/rank1.engine",
+            "trtllm/engines/draft/rank0.engine"} <= set(m["checksums"])
+    assert "trtllm/engines/draft/rank1.engine" not in m["checksums"]
+    par = m["trtllm"]["parallel"]
+    assert par["verifier"] == {"tp_size": 2, "pp_size": 1, "gpu_device_ids": "0,1"}
+    assert par["draft"] == {"tp_size": 1, "pp_size": 1, "gpu_device_ids": "0"}
+    assert par["gpus_needed"] == 2 and "2 of 2 GPU(s)" in par["gpu_check"]
+    assert m["trtllm"]["llm_api"]["tensor_parallel_size"] == 2
+    target = (j.out / "triton_repo" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert parameters(target)["gpu_device_ids"] == "0,1"
+    script = (j.out / "serve_trtllm.sh").read_text()
+    assert "--cuda-memory-pool-byte-size=1:0" in script
+    subprocess.run(["bash", "-n", str(j.out / "serve_trtllm.sh")], check=True)
+    with pytest.raises(ValueError, match="but --gpus gives 1"):
+        trtllm.build_trtllm(job(tmp_path, tp_size=2, out=tmp_path / "o2"),
+                            runner=fake_runner([]), gpus=1)
+
+
+def test_cli_parallel_flags(tmp_path, no_trtllm, monkeypatch, capsys):
+    from paradraft.cli.main import main
+
+    j, _, _ = job_from_args(build_args(tmp_path, tp_size=2, draft_tp_size=1, precision="fp16"))
+    assert (j.tp_size, j.pp_size, j.draft_tp_size, j.world_size) == (2, 1, 1, 2)
+    monkeypatch.setattr(trtllm, "DEFAULT_SRC", tmp_path / "nowhere")
+    with pytest.raises(SystemExit) as e:
+        main(["build", "--backend", "trtllm", "--pp-size", "2", "--out", str(tmp_path / "e")])
+    assert e.value.code == 2 and "--pp-size 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no nvidia-smi here: the check is skipped, and said so
+        main(["build", "--backend", "trtllm", "--tp-size", "2", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert "GPU count unknown" in err and "trtllm-build" in err  # then the missing tools
+    with pytest.raises(SystemExit):
+        main(["build", "--backend", "trtllm", "--tp-size", "2", "--gpus", "1",
+              "--out", str(tmp_path / "e")])
+    assert "but --gpus gives 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["build", "--backend", "onnx", "--tp-size", "2", "--out", str(tmp_path / "e")])
+    assert "--tp-size: only --backend trtllm" in capsys.readouterr().err
 
 
 # -- missing tools ----------------------------------------------------------------------------
@@ -264,7 +462,8 @@ def build_args(tmp_path, **kw):
     base = dict(verifier=None, draft=None, parallel_draft=None, self_draft_layers=None,
                 out=str(tmp_path / "e"), max_batch_size=8, max_k=4, max_seq_len=512,
                 dtype="float32", precision="fp32", rule="greedy", temperature=1.0, top_p=1.0,
-                tau=0.3, gamma=1.0, alpha=0.1, top_p_membership=False, epsilon=0.09, delta=0.3)
+                tau=0.3, gamma=1.0, alpha=0.1, top_p_membership=False, epsilon=0.09, delta=0.3,
+                tp_size=1, pp_size=1, draft_tp_size=1, gpus=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -344,6 +543,7 @@ def test_repository_from_stock_templates(tmp_path, stock_src):
     target, draft = configs["tensorrt_llm"], configs["tensorrt_llm_draft"]
     assert parameters(target)["gpt_model_path"] == "/engines/t/target"
     assert parameters(draft)["gpt_model_path"] == "/engines/t/draft"
+    assert parameters(target)["gpu_device_ids"] == parameters(draft)["gpu_device_ids"] == "0"
     for text in (target, draft):
         p = parameters(text)
         assert scalar(text, "max_batch_size") == "4"
@@ -393,16 +593,22 @@ def test_launch_command():
 
 
 def fake_runner(calls: list):
-    """Plays trtllm-build: writes config.json + rank0.engine into each engine dir."""
+    """Plays convert + trtllm-build: config.json + rank<r>.engine for each of the tp × pp ranks
+    the checkpoint was converted for."""
 
     def run(steps, log_dir):
         calls.append([s.name for s in steps])
+        ranks = {}  # checkpoint dir -> tp × pp
         for s in steps:
-            if s.argv[0] == "trtllm-build":
-                out = Path(flag(s.argv, "--output_dir"))
-                out.mkdir(parents=True)
-                (out / "config.json").write_text('{"built_by": "fake"}')
-                (out / "rank0.engine").write_bytes(b"\0engine")
+            if s.argv[0] != "trtllm-build":
+                ranks[flag(s.argv, "--output_dir")] = (int(flag(s.argv, "--tp_size"))
+                                                       * int(flag(s.argv, "--pp_size")))
+                continue
+            out = Path(flag(s.argv, "--output_dir"))
+            out.mkdir(parents=True)
+            (out / "config.json").write_text('{"built_by": "fake"}')
+            for r in range(ranks[flag(s.argv, "--checkpoint_dir")]):
+                (out / f"rank{r}.engine").write_bytes(b"\0engine%d" % r)
     return run
 
 

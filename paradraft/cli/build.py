@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from paradraft.build import onnx as onnx_build
 from paradraft.build import tensorrt as tensorrt_build
-from paradraft.build.trtllm import TrtllmJob, build_trtllm, draft_logits_for_rule
+from paradraft.build.trtllm import (
+    TrtllmJob,
+    build_trtllm,
+    check_job,
+    check_world_size,
+    detect_gpu_count,
+    draft_logits_for_rule,
+)
 from paradraft.runtime.checkpoints import DEMO_DIR
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.model import load_config
@@ -36,13 +44,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="weights of the drafting graphs (drafts, self-draft) for --backend "
                          "onnx: int8 (default; the verifier decides, so output is unchanged) "
                          "or float32; --backend tensorrt takes float32 (use --precision)")
+    add_trtllm_parallel_args(p)
     add_rule_args(p)  # the rule defaults the correction graph carries
     p.set_defaults(run=run)
+
+
+# names and defaults of the options only --backend trtllm reads
+TRTLLM_PARALLEL_DEFAULTS = {"tp_size": 1, "pp_size": 1, "draft_tp_size": 1, "gpus": None}
+
+
+def add_trtllm_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel TensorRT-LLM engines (--backend trtllm)")
+    g.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks of the verifier engine (TensorRT-LLM's "
+                        "convert_checkpoint.py --tp_size); must divide its attention heads")
+    g.add_argument("--pp-size", type=int, default=1,
+                   help="pipeline-parallel ranks of the verifier; only 1: TensorRT-LLM runs no "
+                        "draft model with pipeline parallelism")
+    g.add_argument("--draft-tp-size", type=int, default=1,
+                   help="tensor-parallel ranks of the draft engine (default 1)")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="GPUs of the serving machine, checked against tp × pp (default: "
+                        "nvidia-smi's count; without one the check is skipped)")
 
 
 def run(args: argparse.Namespace) -> None:
     if args.backend == "trtllm":
         return run_trtllm(args)
+    given = [k for k, v in TRTLLM_PARALLEL_DEFAULTS.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags}: only --backend trtllm builds parallel engines; got "
+                         f"--backend {args.backend}")
     if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
         build_engines, options = tensorrt_build.build_engines, {"precision": args.precision}
     else:
@@ -83,14 +116,26 @@ def job_from_args(args: argparse.Namespace) -> tuple[TrtllmJob, RuleParams, Path
         verifier=Path(verifier), draft=Path(draft), out=Path(args.out),
         verifier_type=load_config(verifier).model_type, draft_type=load_config(draft).model_type,
         dtype=dtype, max_batch_size=args.max_batch_size, max_k=args.max_k,
-        max_seq_len=args.max_seq_len, use_draft_logits=draft_logits_for_rule(rules.rule))
+        max_seq_len=args.max_seq_len, use_draft_logits=draft_logits_for_rule(rules.rule),
+        tp_size=args.tp_size, pp_size=args.pp_size, draft_tp_size=args.draft_tp_size)
     return job, rules, Path(args.parallel_draft) if args.parallel_draft else None
+
+
+def gpus_from_args(args: argparse.Namespace) -> tuple[int | None, str]:
+    """(GPU count, where it came from): --gpus, else nvidia-smi, else unknown (None)."""
+    if args.gpus is not None:
+        return args.gpus, "--gpus"
+    return detect_gpu_count(), "nvidia-smi"
 
 
 def run_trtllm(args: argparse.Namespace) -> None:
     """`paradraft build --backend trtllm`."""
     job, rules, parallel = job_from_args(args)
-    manifest = build_trtllm(job, rules, parallel)
+    check_job(job)
+    gpus, source = gpus_from_args(args)
+    # said before the long build: a skipped check must not go unnoticed
+    print(f"paradraft: {check_world_size(job, gpus, source)}", file=sys.stderr, flush=True)
+    manifest = build_trtllm(job, rules, parallel, gpus=gpus, gpus_source=source)
     print(json.dumps({"manifest": str(job.out / "manifest.json"),
                       "triton_repo": str(job.out / "triton_repo"),
                       "serve": str(job.out / "serve_trtllm.sh"),
