@@ -192,3 +192,43 @@ def load_draft(draft_dir: str | Path, verifier_dir: str | Path, verifier_vocab: 
     if draft.config.vocab_size != verifier_vocab:
         pad_vocab(draft, verifier_vocab, real)
     return draft
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "cpu") -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``, refused by name where this machine has no such
+    device (rather than failing later inside a matmul)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be cpu, cuda or cuda:N; got {name!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be cpu, cuda or cuda:N; got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s), "
+                         f"cuda:0 … cuda:{count - 1}")
+    return device
+
+
+def resolve_dtype(model_dir: str | Path, device: torch.device, name: str | None = None
+                  ) -> torch.dtype:
+    """``name`` (float32, bfloat16, float16), or by default the checkpoint's ``torch_dtype``
+    (``dtype`` in transformers 5) on CUDA and float32 on the CPU, where half-precision
+    matmuls are slow."""
+    if name is not None:
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    saved = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return DTYPES.get(saved, torch.float32)

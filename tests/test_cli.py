@@ -45,3 +45,28 @@ def test_cli_acceptance_floor_warns_and_is_validated(pair):
     assert r.returncode == 0 and "fell below" not in r.stderr
     r = run_cli(*common, "--acceptance-floor", "1.5")
     assert r.returncode == 2 and "acceptance_floor must be in [0, 1]; got 1.5" in r.stderr
+
+
+def test_cli_bfloat16_speculative_equals_plain_and_device_errors_name_the_device(pair):
+    vdir, ddir, _, _ = pair
+    common = ["generate", "--verifier", vdir, "--prompt-ids", "4,8,15,16",
+              "--max-new-tokens", "10", "--json", "--ignore-eos", "--dtype", "bfloat16"]
+    spec = run_cli(*common, "--draft", ddir, "--k", "3")
+    plain = run_cli(*common, "--no-speculation")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    import torch
+
+    if not torch.cuda.is_available():
+        r = run_cli(*common, "--no-speculation", "--device", "cuda:1")
+        assert r.returncode == 2 and "device 'cuda:1': CUDA is not available" in r.stderr
+    r = run_cli(*common, "--no-speculation", "--device", "tpu")
+    assert r.returncode == 2 and "device must be cpu, cuda or cuda:N; got 'tpu'" in r.stderr
+
+
+def test_cli_chat_needs_a_template():
+    # the demo verifier (the default) is a base model: a tokenizer, no chat template
+    r = run_cli("generate", "--prompt", "hi", "--chat", "--no-speculation")
+    assert r.returncode == 2 and "has no chat template" in r.stderr
+    r = run_cli("generate", "--prompt", "hi", "--system", "be brief", "--no-speculation")
+    assert r.returncode == 2 and "--system needs --chat" in r.stderr

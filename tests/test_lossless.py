@@ -195,3 +195,33 @@ def test_draft_len_schedules_stay_lossless(models, baseline, schedule):
         last = result.row_stats[-1]  # alone at the end: K=4; with >= 6 rows: no drafts
         assert 0 < last.num_drafts < last.verify_steps
         assert last.draft_tokens <= 4 * last.num_drafts
+
+
+@pytest.fixture(scope="module")
+def half_models(pair):
+    vdir, ddir, pdir, _ = pair
+    return {dtype: (load_model(vdir, dtype), load_model(ddir, dtype), load_model(pdir, dtype))
+            for dtype in (torch.bfloat16, torch.float16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["model", "parallel", "self"])
+def test_half_precision_greedy_speculative_equals_greedy_plain(half_models, dtype, kind):
+    """Weights and KV cache in half precision (correction in float32): speculation changes
+    nothing against plain decoding in the same dtype."""
+    verifier, draft, parallel = half_models[dtype]
+    assert verifier.dtype == dtype
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=8)
+    want = plain.generate(prompts(), NEW_TOKENS).token_ids
+    assert plain.cache.k[0].dtype == dtype
+    model = {"model": draft, "parallel": parallel, "self": verifier}[kind]
+    dec = SpeculativeDecoder(verifier, Drafter(kind, model), RuleParams("greedy"), k=4,
+                             max_batch_size=8)
+    result = dec.generate(prompts(), NEW_TOKENS)
+    assert result.token_ids == want
+    assert 0 < result.stats.accepted_tokens < result.stats.draft_tokens
+
+
+def test_exact_rule_keeps_the_verifier_distribution_in_bfloat16(half_models):
+    verifier, draft, _ = half_models[torch.bfloat16]
+    assert_joint_distribution(verifier, Drafter("model", draft), VOCAB)

@@ -23,7 +23,14 @@ from paradraft.runtime.tools.bench import (
     write_outputs,
 )
 
-from .common import add_draft_threads_arg, add_eval_args, eval_prompts, int_list, load_drafters
+from .common import (
+    add_draft_threads_arg,
+    add_eval_args,
+    device_and_dtype,
+    eval_prompts,
+    int_list,
+    load_drafters,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,8 +87,9 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
         for i, backend in enumerate(backends):
             if backend == "torch":
-                verifier = load_model(args.verifier)
-                drafters = load_drafters(args, verifier, torch.float32)
+                device, dtype = device_and_dtype(args)
+                verifier = load_model(args.verifier, dtype=dtype, device=device)
+                drafters = load_drafters(args, verifier)
             else:
                 verifier, drafters, manifest = bench_engines(args, tmp, min(max(ks), MAX_K))
                 draft_precision = manifest.get("draft_precision", "float32")

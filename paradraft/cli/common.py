@@ -8,14 +8,31 @@ import torch
 
 from paradraft.runtime.checkpoints import (
     DEMO_DIR,
+    DTYPES,
     heldout_prompts,
     heldout_texts,
     load_draft,
     load_tokenizer,
+    resolve_device,
+    resolve_dtype,
 )
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the checkpoints: cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights and KV cache (correction maths stay float32); default: the "
+                        "checkpoint's torch_dtype on CUDA, float32 on the CPU")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype of ``--device`` / ``--dtype`` for ``--verifier``."""
+    device = resolve_device(args.device)
+    return device, resolve_dtype(args.verifier, device, args.dtype)
 
 
 def rule_params(args: argparse.Namespace) -> RuleParams:
@@ -61,8 +78,8 @@ def check_engine_limits(manifest: dict, batch_size: int, seq_len: int, k: int,
                              f"got {value}")
 
 
-def load_drafters(args: argparse.Namespace, verifier: Transformer, dtype: torch.dtype
-                  ) -> dict[str, AnyDrafter]:
+def load_drafters(args: argparse.Namespace, verifier: Transformer) -> dict[str, AnyDrafter]:
+    """The drafters of ``--drafters``, on the verifier's device and in its dtype."""
     names = args.drafters.split(",")
     for n in names:
         if n not in DRAFTERS:
@@ -74,7 +91,7 @@ def load_drafters(args: argparse.Namespace, verifier: Transformer, dtype: torch.
         else:
             path = args.draft if n == "model" else args.parallel_draft
             drafters[n] = Drafter(n, load_draft(path, args.verifier, verifier.config.vocab_size,
-                                                dtype=dtype))
+                                                dtype=verifier.dtype, device=verifier.device))
     return drafters
 
 
@@ -98,6 +115,7 @@ def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    add_device_args(p)
     p.add_argument("--out", default=f"results/{name}", help="where the JSON (and plots) go")
 
 

@@ -8,8 +8,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from paradraft.runtime.correction import RuleParams, check_k, check_range
 from paradraft.runtime.model import load_model
 from paradraft.runtime.tools.evaluate import (
@@ -21,7 +19,7 @@ from paradraft.runtime.tools.evaluate import (
     tune_grid,
 )
 
-from .common import add_eval_args, eval_prompt_pairs, load_drafters
+from .common import add_eval_args, device_and_dtype, eval_prompt_pairs, load_drafters
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,8 +50,9 @@ def run(args: argparse.Namespace, tune: bool = False) -> None:
     check_k(args.k)
     check_range("budget", args.budget, 0.0, 100.0)
     check_range("diversity_budget", args.diversity_budget, 0.0, 1.0)
-    verifier = load_model(args.verifier)
-    drafter = load_drafters(args, verifier, torch.float32)[args.drafters.split(",")[0]]
+    device, dtype = device_and_dtype(args)
+    verifier = load_model(args.verifier, dtype=dtype, device=device)
+    drafter = load_drafters(args, verifier)[args.drafters.split(",")[0]]
     pairs = eval_prompt_pairs(args)
     prompts = [p for p, _ in pairs]
     seeds = list(range(args.seeds))

@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from paradraft.runtime.backends.loader import load_engines
 from paradraft.runtime.checkpoints import (
     DEMO_DIR,
@@ -22,9 +20,11 @@ from paradraft.runtime.speculative import SpeculativeDecoder
 
 from .common import (
     add_acceptance_floor_arg,
+    add_device_args,
     add_draft_threads_arg,
     add_rule_args,
     check_engine_limits,
+    device_and_dtype,
     rule_params,
 )
 
@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_acceptance_floor_arg(p)
     p.add_argument("--no-speculation", action="store_true",
                    help="plain autoregressive decoding of the verifier (the baseline)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_args(p)
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -77,8 +77,8 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
             audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
         ), verifier
-    dtype = getattr(torch, args.dtype)
-    verifier = load_model(args.verifier, dtype=dtype)
+    device, dtype = device_and_dtype(args)
+    verifier = load_model(args.verifier, dtype=dtype, device=device)
     drafter = None
     if not args.no_speculation:
         if args.drafter == "self":
@@ -86,7 +86,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         else:
             default = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel" else "draft")
             draft = load_draft(args.draft or default, args.verifier,
-                               verifier.config.vocab_size, dtype=dtype)
+                               verifier.config.vocab_size, dtype=dtype, device=device)
             drafter = Drafter(args.drafter, draft)
     decoder = SpeculativeDecoder(
         verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
@@ -99,8 +99,11 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
                   ) -> tuple[object, AnyDrafter | None]:
     """The verifier engine and the requested drafter from ``--engines`` (ONNX Runtime)."""
-    if args.dtype != "float32":
+    if args.dtype not in (None, "float32"):
         raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
+    if args.device != "cpu":
+        raise ValueError(f"device must be cpu with --engines: the engine's backend places it "
+                         f"(ONNX Runtime on the CPU, TensorRT on its GPU); got {args.device!r}")
     if args.audit_epsilon is not None:
         raise ValueError("--audit-epsilon (the attention causal audit) is not supported with "
                          "--engines (ONNX Runtime); use --verifier/--draft (torch)")
