@@ -141,8 +141,9 @@ class SpeculativeDecoder:
         cache_rows = None if slots == list(range(len(slots))) else rows
         lengths, k_rows, tokens = self.lengths[rows], self.k_rows[rows], self.tokens[rows]
         # each row's own random numbers (its seed, its tokens so far): what a request samples
-        # never depends on the rows beside it
-        streams = RowStreams.for_rows(self.seeds[rows], self.generated[rows])
+        # never depends on the rows beside it; greedy rounds draw none
+        streams = None if self.params.is_greedy and not self.draft_sampling else (
+            RowStreams.for_rows(self.seeds[rows], self.generated[rows]))
         # the round drafts the largest K of its rows (capped by the schedule); each row stops
         # at its own K (adaptive K, or a per-request num_draft_tokens)
         k = self.round_k(slots) if k is None else min(k, self.k)
@@ -190,7 +191,7 @@ class SpeculativeDecoder:
         return out
 
     def _draft_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
-                     bound: int, streams: RowStreams, cache_rows: Tensor | None
+                     bound: int, streams: RowStreams | None, cache_rows: Tensor | None
                      ) -> tuple[Tensor, Tensor | None]:
         """The round's drafts (none when ``k`` is 0); tracks the rounds a separate draft
         cache missed, so that the next drafted round re-feeds their tokens."""
@@ -207,7 +208,8 @@ class SpeculativeDecoder:
             self.monitor.relax(0.97)
         return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
 
-    def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int, streams: RowStreams,
+    def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int,
+               streams: RowStreams | None,
                rows: Tensor | None = None, missed: int = 0) -> tuple[Tensor, Tensor | None]:
         """``missed``: rounds the draft cache skipped (undrafted rounds): re-feed as many
         more real tokens."""
@@ -390,9 +392,9 @@ class SpeculativeDecoder:
                                output_index=last)
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         vocab = self.verifier.config.vocab_size
-        streams = RowStreams.for_rows(self.seeds[rows], self.generated[rows])
-        _, first = correct_for(dev)(logits, empty, None, self.params,
-                                    row_randoms(streams, 0, vocab))
+        randoms = None if self.params.is_greedy else row_randoms(
+            RowStreams.for_rows(self.seeds[rows], self.generated[rows]), 0, vocab)
+        _, first = correct_for(dev)(logits, empty, None, self.params, randoms)
         self.tokens[rows, prompt_lens] = first
         out = self._emit(rows, first[:, None], torch.zeros_like(first))
         self.times[3, slots] += time.perf_counter() - t0
