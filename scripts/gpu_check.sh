@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on a host (or in the Dockerfile's image) with an NVIDIA GPU:
-#   nvidia-smi; the GPU correction kernel's tests on the GPU (TRITON_INTERPRET unset); TensorRT
+#   nvidia-smi; the GPU correction kernel's tests on the GPU (TRITON_INTERPRET unset); the
+#   torch runtime on CUDA in bf16 (tests/test_cuda.py, generate --device cuda); TensorRT
 #   engines for the demo pair; the backend conformance suite; a Triton serve + query + loadtest
 #   smoke on those engines; the TensorRT-LLM build when tensorrt_llm is importable.
 # Every step runs (a failure does not stop the rest), is timed, and logs to $OUT/<step>.log;
@@ -100,6 +101,12 @@ step "nvidia-smi" nvidia-smi
 
 # 2. the fused correction kernel on the GPU: TRITON_INTERPRET unset, or it runs interpreted
 step "kernel tests (GPU)" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/test_kernel.py
+
+# 2b. the torch runtime on CUDA in bf16: greedy speculative == greedy plain for every drafter,
+# and the exact rule's distribution test
+step "torch runtime (CUDA bf16)" "$PYTHON" -m pytest -q -rs tests/test_cuda.py
+step "generate --device cuda" "$PARADRAFT" generate --device cuda --dtype bfloat16 \
+    --prompt "def fibonacci(n):" --max-new-tokens 32 --json
 
 # 3. TensorRT engines for the demo pair
 # as many batch rows as `serve` has slots by default (16), or serve refuses the plans

@@ -159,15 +159,17 @@ def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, se
         pairs += [o[0] * vocab + o[1] for o in out]
     samples = torch.tensor(pairs)
     # the target, computed directly from the verifier
+    dev, dtype = verifier.device, verifier.dtype
     with torch.no_grad():
-        cache = new_kv_cache(verifier.config, 1, 16, torch.float32)
-        first, _ = verifier(torch.tensor([prompt]), torch.arange(3)[None], cache)
+        cache = new_kv_cache(verifier.config, 1, 16, dtype, dev)
+        first, _ = verifier(torch.tensor([prompt], device=dev), torch.arange(3, device=dev)[None],
+                            cache)
         p1 = torch.softmax(first[0, -1], -1)
-        cache = new_kv_cache(verifier.config, vocab, 16, torch.float32)
-        ctx = torch.tensor([[*prompt, t] for t in range(vocab)])
-        second, _ = verifier(ctx, torch.arange(4).expand(vocab, -1), cache)
+        cache = new_kv_cache(verifier.config, vocab, 16, dtype, dev)
+        ctx = torch.tensor([[*prompt, t] for t in range(vocab)], device=dev)
+        second, _ = verifier(ctx, torch.arange(4, device=dev).expand(vocab, -1), cache)
         p2 = torch.softmax(second[:, -1], -1)
-    joint = (p1[:, None] * p2).flatten()
+    joint = (p1[:, None] * p2).flatten().cpu()
     counts = torch.bincount(samples, minlength=joint.numel()).double()
     # chi-square over outcomes with enough expected mass (rest pooled)
     expected = joint.double() / joint.double().sum() * samples.numel()
