@@ -198,7 +198,11 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "eval.json").read_text())
     rules = [row["rule"] for row in data["rows"]]
-    assert rules == ["exact", "greedy", "threshold", "ratio", "dynamic", "typical"]
+    assert rules == ["exact", "greedy", "threshold", "ratio", "dynamic", "typical",
+                     "threshold", "dynamic", "ratio"]  # the last three at calibrated defaults
+    cal = data["calibration"]
+    assert 0 < cal["tau"] < 1 and 0 < cal["dynamic_tau"] <= cal["tau"] and cal["gamma"] > 0
+    assert f"tau={cal['tau']:.4g}" in data["rows"][6]["label"]
     exact = data["rows"][0]
     assert exact["ppl_change_vs_exact"] == 0.0
     assert {row["reference"] for row in data["rows"]} == {exact["label"]}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from paradraft.runtime.correction import RuleParams, check_k, check_range
 from paradraft.runtime.model import load_model
+from paradraft.runtime.tools.calibrate import CALIBRATED, calibrate
 from paradraft.runtime.tools.evaluate import (
     compare,
     frontier,
@@ -58,14 +59,23 @@ def run(args: argparse.Namespace, tune: bool = False) -> None:
     seeds = list(range(args.seeds))
     common = dict(prompts=prompts, max_new_tokens=args.max_new_tokens, seeds=seeds,
                   batch_size=args.batch_size)
+    # the seed rules at defaults calibrated to this verifier (what `build` stores in the
+    # engine manifest), next to their fixed defaults
+    calibration = calibrate(verifier, prompts, args.max_new_tokens, seed=args.seed)
+    print(f"calibrated rule defaults ({calibration.positions} positions): "
+          f"threshold tau={calibration.tau:.4f}, dynamic tau={calibration.dynamic_tau:.4f}, "
+          f"ratio gamma={calibration.gamma:.4f}")
     if tune:
         settings = [dict(rule=args.rule, **kw) for kw in tune_grid(args.rule)]
     else:
         settings = [dict(rule=r, temperature=args.temperature, top_p=args.top_p)
                     for r in ("greedy", "threshold", "ratio", "dynamic", "typical")]
+        settings += [dict(rule=r, temperature=args.temperature, top_p=args.top_p,
+                          **calibration.params_for(r)) for r in CALIBRATED]
     # the flags set what a tune grid does not sweep (top_p for most rules)
     sampling = dict(temperature=args.temperature, top_p=args.top_p)
-    measured = [(" ".join(f"{k}={v}" for k, v in kw.items()), RuleParams(**{**sampling, **kw}))
+    measured = [(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in kw.items()), RuleParams(**{**sampling, **kw}))
                 for kw in settings]
     # a setting is compared against exact sampling at its own temperature and top_p with the
     # same seeds: against another temperature's exact the change would be the temperature's.
@@ -99,6 +109,7 @@ def run(args: argparse.Namespace, tune: bool = False) -> None:
           f"(cut to {args.max_new_tokens} tokens) is {heldout_ppl:.2f}: the reference point for "
           "the perplexities of the generated text above")
     result = {"heldout_text_perplexity": heldout_ppl, "rows": [asdict(r) for r in rows],
+              "calibration": calibration.to_dict(),
               "budget": args.budget, "diversity_budget": args.diversity_budget}
     if tune:
         result["baselines"] = [asdict(b) for b in baselines]
