@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -42,6 +44,121 @@ def hf_models(tmp_path_factory):
         torch.manual_seed(i)
         m = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
         out[family] = (m, save_hf(m, tmp_path_factory.mktemp(family)))
+    return out
+
+
+# Real checkpoints' config.json, dims shrunk (hidden 64, 2-3 layers, vocab 96) and token ids
+# moved into the tiny vocabulary (keeping their shape: Llama 3.2's EOS list stays a list);
+# every field that changes the math is kept as the checkpoint has it.
+FAMILY_VOCAB = 96
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "vocab_size": FAMILY_VOCAB}
+_LLAMA3 = {  # Llama-3.1-8B's config.json
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 95, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, **_TINY}
+_QWEN25 = {  # Qwen2.5-7B's config.json (sliding_window set, use_sliding_window false)
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 95, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, **_TINY}
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama2": {  # Llama-2-7b-hf
+        "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 4096,
+        "model_type": "llama", "num_key_value_heads": 4, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "use_cache": True, **_TINY},
+    "llama3": {**_LLAMA3, "max_position_embeddings": 8192, "rope_scaling": None},  # Llama-3-8B
+    "llama3.1": _LLAMA3,
+    "llama3.2": {  # Llama-3.2-1B-Instruct: tied embeddings, head_dim, an EOS list, factor 32
+        **_LLAMA3, "head_dim": 16, "eos_token_id": [93, 94, 95], "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    "qwen2.5": _QWEN25,
+    "qwen3": {  # Qwen3-0.6B / -8B: q/k norm, head_dim 32 != hidden 64 / 4 heads (as 0.6B's)
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 95, "head_dim": 32, "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 40960, "max_window_layers": 36,
+        "model_type": "qwen3", "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, **_TINY},
+    "mistral": {  # Mistral-7B-v0.3
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "initializer_range": 0.02,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, **_TINY},
+    # Qwen2.5-7B-Instruct with the YaRN block its model card documents
+    "yarn": {**_QWEN25, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768,
+                                         "type": "yarn"}},
+    "phi3": {  # Phi-3-mini-4k-instruct (sliding_window 2047: caches up to 2047 positions)
+        "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 95, "hidden_act": "silu",
+        "initializer_range": 0.02, "max_position_embeddings": 4096, "model_type": "phi3",
+        "num_key_value_heads": 4, "original_max_position_embeddings": 4096, "pad_token_id": 95,
+        "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, **_TINY},
+    "gpt2": {  # openai-community/gpt2 (n_positions shrunk: it sizes a table)
+        "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.1, "bos_token_id": 95, "embd_pdrop": 0.1, "eos_token_id": 95,
+        "initializer_range": 0.02, "layer_norm_epsilon": 1e-05, "model_type": "gpt2",
+        "n_ctx": 1024, "n_embd": 64, "n_head": 4, "n_layer": 3, "n_positions": 1024,
+        "resid_pdrop": 0.1, "summary_activation": None, "summary_first_dropout": 0.1,
+        "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True,
+        "vocab_size": FAMILY_VOCAB},
+}
+
+
+def family_config(name: str, **overrides):
+    """The transformers config of ``FAMILY_CONFIGS[name]`` with ``overrides`` (copied: the
+    config classes write into the rope dicts they are given)."""
+    d = copy.deepcopy({**FAMILY_CONFIGS[name], **overrides})
+    return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def randomize(model, seed: int = 0):
+    """Weights at the scale a trained model's have (transformers' init, std 0.02 with zero
+    biases and unit norms, gives near-uniform attention, where position encoding, biases and
+    norm weights barely show in the logits): matrices ~ N(0, 1/64), biases ~ N(0, 0.01),
+    norm weights ~ 1 + N(0, 0.04)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() > 1:
+                p.copy_(r / 8)
+            elif name.endswith("weight"):  # RMSNorm / LayerNorm
+                p.copy_(1 + 0.2 * r)
+            else:
+                p.copy_(0.1 * r)
+    return model
+
+
+def family_model(name: str, seed: int = 0, **overrides):
+    """A random fp32 transformers model of family ``name`` (``randomize``d, eval mode)."""
+    config = family_config(name, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return randomize(model, seed).eval()
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory):
+    """{family: (hf_model, dir)}: a tiny random fp32 checkpoint per ``FAMILY_CONFIGS`` entry,
+    written by transformers' save_pretrained (so rope settings as ``rope_parameters``)."""
+    out = {}
+    for i, name in enumerate(FAMILY_CONFIGS):
+        m = family_model(name, seed=100 + i)
+        out[name] = (m, save_hf(m, tmp_path_factory.mktemp(name.replace(".", "_"))))
     return out
 
 

@@ -14,7 +14,7 @@ from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_config, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
 
-SUPPORTED = [name for name in FAMILY_CONFIGS if name not in ("phi3",)]
+SUPPORTED = list(FAMILY_CONFIGS)
 PROMPTS = [[5, 9, 14, 3], [7], [40, 41, 42, 43, 44, 45, 46], [11, 12]]
 NEW_TOKENS = 20
 

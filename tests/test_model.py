@@ -69,16 +69,29 @@ def test_clear_errors_for_bad_checkpoints(tmp_path, hf_models):
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 5}))
-    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported: llama"):
         load_model(tmp_path)
     _, path = hf_models["llama"]
     (tmp_path / "config.json").write_text((Path(path) / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path)
-    # a scaled rope, in the transformers-5 spelling too, is refused rather than run as plain
+    # a rope type we do not implement, in either spelling, is refused rather than run as plain
     config = json.loads((Path(path) / "config.json").read_text())
     for key in ("rope_scaling", "rope_parameters"):
-        rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        rope = {"rope_type": "proportional", "factor": 4.0, "rope_theta": 10000.0}
         (tmp_path / "config.json").write_text(json.dumps({**config, key: rope}))
-        with pytest.raises(ValueError, match=f"unsupported {key} rope_type 'yarn'"):
+        with pytest.raises(ValueError, match=f"{key} rope_type 'proportional' is not supported"):
             load_model(tmp_path)
+
+
+def test_rope_is_fp32_and_follows_the_positions_device(hf_models):
+    """The rotary tables come from fp32 angles whatever the model dtype (as transformers), and
+    the frequencies built on the CPU (also for a model built on the meta device) move along."""
+    _, path = hf_models["llama"]
+    model = load_model(path, dtype=torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32 and model.inv_freq.device.type == "cpu"
+    pos = torch.tensor([[0, 1000, 4000]])
+    cos, _ = model.rope(pos, torch.bfloat16)
+    exact = (pos[..., None].double() * model.inv_freq.double()).cos()
+    assert cos.dtype == torch.bfloat16
+    assert (cos[0, :, 0, : exact.shape[-1]].double() - exact[0]).abs().max() < 1e-2
