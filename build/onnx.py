@@ -18,16 +18,24 @@ Graphs per engine dir (fp32, opset 17, dynamic batch / token count / cache lengt
   all K drafted); outputs ``num_accepted``, ``next_token``, ``accepted_tokens`` instead of
   logits. The draft tokens are ``tokens[:, 1:]`` (the verify input is [newest, d_1 … d_K]).
 - ``verifier_self<N>.onnx`` (role ``self_draft``): the first N layers + norm + LM head.
+
+Weights live outside the graphs (ONNX external data), one ``<model>.weights`` file per model
+(``WeightStore``): every graph of a model points into it, a tensor stored once however many
+graphs use it (the logits, correction and self-draft graphs, the fused draft graphs per k,
+int8 and fp32 alike). A graph file holds only its nodes and small constants, so a model past
+the 2 GB protobuf limit exports, and an engine dir is about the size of its weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import shutil
+import tempfile
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +47,13 @@ from paradraft.runtime.backends.engine_io import DOMAIN, OP_TYPE, PLUGIN_VERSION
 from paradraft.runtime.backends.manifest import package_versions, write_manifest
 from paradraft.runtime.backends.ort import OrtModel
 from paradraft.runtime.correction import MAX_K, RuleParams
-from paradraft.runtime.model import ModelConfig, Transformer, load_model, new_kv_cache
+from paradraft.runtime.model import (
+    ModelConfig,
+    Transformer,
+    check_cache_len,
+    load_model,
+    new_kv_cache,
+)
 
 OPSET = 17
 DRAFT_PRECISIONS = ("int8", "float32")
@@ -47,6 +61,15 @@ DRAFT_PRECISIONS = ("int8", "float32")
 # logits' standard deviation. Measured on the demo drafts over random tokens: 0.09-0.16
 # (top-1 agreement 0.94-0.96); a wrong export differs by whole standard deviations
 INT8_TOL = 0.3
+WEIGHTS = ".weights"  # <model>.weights: the one weights file of a model's graphs
+WEIGHTS_DTYPES = ("float32", "float16")
+# fp16-stored weights against the fp32 model, in standard deviations of the logits: fp16
+# rounding moves them by ~1e-3 of that; a wrong export by whole standard deviations
+FP16_TOL = 0.05
+INLINE_BYTES = 1024  # smaller tensors (shape constants, tiny norms) stay inside the graph
+# tensors of ALIGN_FROM bytes or more start at a multiple of ALIGN_BYTES (the largest
+# allocation granularity, Windows'), so that ONNX Runtime may map them instead of copying
+ALIGN_FROM, ALIGN_BYTES = 1 << 20, 1 << 16
 CORRECTION_INPUTS = ("draft_probs", "accept_uniforms", "sample_noise", "num_drafted")
 CORRECTION_OUTPUTS = ("num_accepted", "next_token", "accepted_tokens")
 
@@ -60,8 +83,10 @@ def new_kv_names(num_layers: int) -> list[str]:
     return [f"new_{kv}_{i}" for i in range(num_layers) for kv in ("k", "v")]
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig) -> Tensor:
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig,
+           scale: float | None = None) -> Tensor:
     """Masked attention, GQA by grouping the query heads per KV head (no K/V repeat).
+    ``scale``: the layer's factor on q·k (``Block.attn_scale``; default 1/sqrt(head_dim)).
 
     q [B, T, H, D]; keys / values [B, Hkv, L, D]; mask [B, G*T, L], the [B, T, L] mask tiled
     G times (``group_mask``) → y [B, H, T, D]. Head counts come from the config and every
@@ -72,7 +97,8 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, c: ModelConfig
     q = q.reshape(*q.shape[:2], Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     q = q.reshape(*q.shape[:2], -1, D)  # [B, Hkv, G*T, D]
     # K transposed inside the product: ONNX Runtime fuses it into the MatMul (transB)
-    scores = (q @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*T, L]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = (q @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G*T, L]
     weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     y = weights @ values  # [B, Hkv, G*T, D]
     return y.reshape(y.shape[0], c.n_heads, -1, D)  # [B, H, T, D]
@@ -133,7 +159,8 @@ class OnnxStep(nn.Module):
             q, k, v = layer.project(x, rope)
             for j, new in ((2 * i, k), (2 * i + 1, v)):
                 windows[j] = windows[j].scatter(2, index, new.transpose(1, 2))
-            x = layer.finish(x, attend(q, windows[2 * i], windows[2 * i + 1], mask, m.config))
+            x = layer.finish(x, attend(q, windows[2 * i], windows[2 * i + 1], mask, m.config,
+                                       layer.attn_scale))
             new_kv += [k, v]
         return x, new_kv
 
@@ -179,25 +206,151 @@ def dummy_inputs(config: ModelConfig, num_layers: int, reach: int = 0) -> tuple[
             torch.tensor(kv_len), *past)
 
 
+# -- weights outside the graphs -------------------------------------------------------------
+
+
+@dataclass
+class WeightStore:
+    """A model's weights file: the bytes of every large tensor of its graphs, each stored
+    once. Keyed by content, not by name: the exporter names a folded weight per trace
+    (``onnx::MatMul_812``), so one weight has another name in every graph, and the int8
+    graphs of one model quantize a weight to the same bytes each time."""
+
+    path: Path
+    # "float16": fp32 weights are stored as fp16 and cast back to fp32 inside the graph
+    # (I/O, KV cache and math stay fp32): half the bytes, for TensorRT builds
+    dtype: str = "float32"
+    offsets: dict[bytes, int] = field(default_factory=dict)
+    size: int = 0
+
+    @classmethod
+    def create(cls, path: str | Path, dtype: str = "float32") -> WeightStore:
+        """An empty store at ``path`` (truncating what a previous build left there)."""
+        if dtype not in WEIGHTS_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}; "
+                             f"got {dtype!r}")
+        path = Path(path)
+        path.write_bytes(b"")
+        return cls(path, dtype)
+
+    def check_tol(self) -> dict:
+        """``check_graph`` / ``check_draft_steps`` tolerance of a float graph stored here:
+        exact up to float error, or with fp16 weights within FP16_TOL standard deviations."""
+        return {"tol": FP16_TOL, "relative": True} if self.dtype == "float16" else {}
+
+    def add(self, data: bytes) -> int:
+        """Store ``data`` (unless these bytes are already in the file); return its offset."""
+        key = hashlib.blake2b(data, digest_size=32).digest()
+        if key not in self.offsets:
+            offset = self.size
+            if len(data) >= ALIGN_FROM:
+                offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+            with open(self.path, "ab") as f:
+                f.write(bytes(offset - self.size))
+                f.write(data)
+            self.offsets[key] = offset
+            self.size = offset + len(data)
+        return self.offsets[key]
+
+
+def move_weights(model, src_dir: Path, store: WeightStore) -> None:
+    """Point every initializer of INLINE_BYTES or more at ``store``'s file, in place: its
+    bytes (inline, or external data relative to ``src_dir``) go into the store."""
+    from onnx import TensorProto, numpy_helper
+    from onnx.external_data_helper import (
+        load_external_data_for_tensor,
+        set_external_data,
+        uses_external_data,
+    )
+
+    casts = []
+    for t in model.graph.initializer:
+        if uses_external_data(t):
+            load_external_data_for_tensor(t, str(src_dir))
+            t.data_location = TensorProto.DEFAULT
+            del t.external_data[:]
+        if not t.HasField("raw_data"):  # typed fields (float_data, …): small, or made raw
+            array = numpy_helper.to_array(t)
+            if array.nbytes < INLINE_BYTES:
+                continue
+            t.CopyFrom(numpy_helper.from_array(array, t.name))
+        if len(t.raw_data) < INLINE_BYTES:
+            continue
+        if store.dtype == "float16" and t.data_type == TensorProto.FLOAT:
+            casts.append(half_tensor(t))
+        offset = store.add(t.raw_data)
+        set_external_data(t, store.path.name, offset, len(t.raw_data))
+        t.ClearField("raw_data")
+    if casts:  # first in the graph: the nodes after them read the fp32 names as before
+        nodes = [*casts, *model.graph.node]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+
+
+def half_tensor(t):
+    """Turn fp32 initializer ``t`` into fp16 (renamed ``<name>_fp16``), in place; return the
+    Cast node that gives its consumers the fp32 tensor under the old name."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    array = numpy_helper.to_array(t)
+    if array.size and float(np.abs(array).max()) > np.finfo(np.float16).max:
+        raise ValueError(f"weights_dtype float16: weight {t.name} holds |values| up to "
+                         f"{float(np.abs(array).max()):g}, past fp16's "
+                         f"{float(np.finfo(np.float16).max):g}; use float32")
+    name = t.name
+    t.CopyFrom(numpy_helper.from_array(array.astype(np.float16), f"{name}_fp16"))
+    return helper.make_node("Cast", [t.name], [name], name=f"{name}_cast", to=TensorProto.FLOAT)
+
+
+def save_graph(model, path: Path, store: WeightStore, src_dir: Path) -> Path:
+    """Save ``model`` to ``path`` with its weights in ``store`` (``move_weights``); the
+    graph names the weights file relative to itself, so both share a directory."""
+    import onnx
+
+    if store.path.parent.resolve() != path.parent.resolve():
+        raise ValueError(f"{path}: a graph must sit next to its weights file {store.path}")
+    move_weights(model, src_dir, store)
+    onnx.save(model, str(path))
+    return path
+
+
+def copy_graph(src: Path, dst: Path, store: WeightStore) -> Path:
+    """The graph at ``src`` (weights inline or external next to it) saved as ``dst`` with
+    its weights in ``store``."""
+    import onnx
+
+    return save_graph(onnx.load(str(src), load_external_data=False), dst, store, src.parent)
+
+
+def graph_store(path: Path, store: WeightStore | None) -> WeightStore:
+    """``store``, or for a graph exported on its own a fresh ``<graph>.weights`` next to it."""
+    return store if store is not None else WeightStore.create(path.with_suffix(WEIGHTS))
+
+
 def _export(module: nn.Module, args: tuple[Tensor, ...], path: Path, names: list[str],
-            outputs: list[str], axes: dict) -> Path:
+            outputs: list[str], axes: dict, store: WeightStore | None = None) -> Path:
+    import onnx
+
     for name in names:
         if name.startswith("past_"):
             axes[name] = {0: "slots", 1: "cache_len"}
-    # the TorchScript exporter (dynamo=False): it traces this plain module as is, with no
-    # extra dependency (the dynamo exporter needs onnxscript); its deprecation notice is noise
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET,
-                          input_names=names, output_names=outputs, dynamic_axes=axes,
-                          do_constant_folding=True)
-    import onnx
-
-    model = onnx.load(str(path))
-    share_weights(model)
-    fold_reshapes(model)
-    onnx.save(model, str(path))
-    return path
+    store = graph_store(path, store)
+    # the exporter writes a graph past 2 GB as one file per tensor next to it: in a
+    # scratch dir, from which move_weights takes them into the store
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
+        raw = Path(tmp) / path.name
+        # the TorchScript exporter (dynamo=False): it traces this plain module as is, with
+        # no extra dependency (the dynamo exporter needs onnxscript); its deprecation
+        # notice is noise
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(module, args, str(raw), dynamo=False, opset_version=OPSET,
+                              input_names=names, output_names=outputs, dynamic_axes=axes,
+                              do_constant_folding=True)
+        model = onnx.load(str(raw), load_external_data=False)
+        share_weights(model)
+        fold_reshapes(model)
+        return save_graph(model, path, store, Path(tmp))
 
 
 def fold_reshapes(model) -> int:
@@ -222,13 +375,17 @@ def fold_reshapes(model) -> int:
                              for d in vi.type.tensor_type.shape.dim]
     producer = {out: n for n in g.node for out in n.output}
     inputs = {i.name for i in g.input}  # an initializer listed as an input can be fed
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer if i.name not in inputs}
+    # converted when asked (shape constants only): weights may be external data not at hand
+    consts = {i.name: i for i in g.initializer if i.name not in inputs
+              and i.data_location != i.EXTERNAL}
     for n in g.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+            consts[n.output[0]] = n.attribute[0].t
 
     def const(name: str) -> list[int] | None:
-        return None if name not in consts else [int(v) for v in consts[name].reshape(-1)]
+        if name not in consts:
+            return None
+        return [int(v) for v in numpy_helper.to_array(consts[name]).reshape(-1)]
 
     def shape_of(name: str) -> str | None:
         """The tensor whose full Shape ``name`` is, if it is one."""
@@ -307,8 +464,10 @@ def share_weights(model) -> None:
     model.graph.node.extend(nodes)
 
 
-def export_step(model: Transformer, path: str | Path, num_layers: int | None = None) -> Path:
-    """Export the step graph (all layers, or the first ``num_layers``) to ``path``."""
+def export_step(model: Transformer, path: str | Path, num_layers: int | None = None,
+                store: WeightStore | None = None) -> Path:
+    """Export the step graph (all layers, or the first ``num_layers``) to ``path``, its
+    weights into ``store`` (default: a fresh ``<graph>.weights`` next to it)."""
     n = model.config.n_layers if num_layers is None else num_layers
     names = input_names(n)
     outputs = ["logits", *new_kv_names(n)]
@@ -318,12 +477,15 @@ def export_step(model: Transformer, path: str | Path, num_layers: int | None = N
     for name in outputs[1:]:
         axes[name] = {0: "batch", 1: "tokens"}
     step = OnnxStep(model.float().eval(), num_layers)
-    return _export(step, dummy_inputs(model.config, n), Path(path), names, outputs, axes)
+    return _export(step, dummy_inputs(model.config, n), Path(path), names, outputs, axes,
+                   store)
 
 
 def export_draft_steps(model: Transformer, path: str | Path, k: int,
-                       num_layers: int | None = None) -> Path:
-    """Export the fused ``k``-step greedy draft graph (``OnnxDraftSteps``) to ``path``."""
+                       num_layers: int | None = None, store: WeightStore | None = None
+                       ) -> Path:
+    """Export the fused ``k``-step greedy draft graph (``OnnxDraftSteps``) to ``path``, its
+    weights into ``store`` (default: a fresh ``<graph>.weights`` next to it)."""
     n = model.config.n_layers if num_layers is None else num_layers
     names = [name for name in input_names(n) if name != "output_index"]
     outputs = ["draft_tokens", *new_kv_names(n)]
@@ -333,15 +495,20 @@ def export_draft_steps(model: Transformer, path: str | Path, k: int,
         axes[name] = {0: "batch", 1: "fed"}
     args = dummy_inputs(model.config, n, reach=k)
     steps = OnnxDraftSteps(model.float().eval(), k, num_layers)
-    return _export(steps, args[:3] + args[4:], Path(path), names, outputs, axes)
+    return _export(steps, args[:3] + args[4:], Path(path), names, outputs, axes, store)
 
 
 def add_correction(logits_path: str | Path, out_path: str | Path, params: RuleParams) -> Path:
-    """The correction variant: the step graph with CausalCorrection on its logits."""
+    """The correction variant: the step graph with CausalCorrection on its logits. It points
+    at the step graph's weights file, so ``out_path`` goes next to ``logits_path``."""
     import onnx
     from onnx import TensorProto, helper
 
-    model = onnx.load(str(logits_path))
+    logits_path, out_path = Path(logits_path), Path(out_path)
+    if logits_path.parent.resolve() != out_path.parent.resolve():
+        raise ValueError(f"out_path {out_path} must be in the directory of {logits_path} "
+                         "(the graphs share its weights file)")
+    model = onnx.load(str(logits_path), load_external_data=False)
     g = model.graph
     g.initializer.extend([helper.make_tensor("draft_start", TensorProto.INT64, [1], [1]),
                           helper.make_tensor("draft_end", TensorProto.INT64, [1], [2**62]),
@@ -367,14 +534,15 @@ def add_correction(logits_path: str | Path, out_path: str | Path, params: RulePa
                      helper.make_tensor_value_info("accepted_tokens", i64, ["batch", "tokens"]),
                      *kept])
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    onnx.checker.check_model(model)
     onnx.save(model, str(out_path))
-    return Path(out_path)
+    onnx.checker.check_model(str(out_path))  # by path: it reads the external weights too
+    return out_path
 
 
-def quantize_draft(path: Path) -> None:
-    """Int8 weights for a drafting graph, in place (ONNX Runtime's dynamic quantization:
-    int8 MatMul weights, activations quantized per call; the embedding stays fp32).
+def quantize_draft(src: Path, dst: Path) -> Path:
+    """``dst``: the drafting graph ``src`` with int8 weights (ONNX Runtime's dynamic
+    quantization: int8 MatMul weights, activations quantized per call; the embedding stays
+    fp32), its weights in ``<dst>.data`` next to it.
 
     Why: a draft call at batch 1 is bound by reading its weights (the demo draft's 16 MB of
     fp32 do not stay in cache next to the verifier's 54 MB), and the self-draft's LM head is
@@ -383,19 +551,32 @@ def quantize_draft(path: Path) -> None:
     only acceptance can move. The verifier graphs stay fp32."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    tmp = path.with_suffix(".int8.onnx")
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.ERROR)  # "consider pre-processing": not for us
     try:
-        # per tensor: ORT's per-channel variant came out 2-4x further from fp32 on the demo
-        quantize_dynamic(path, tmp, op_types_to_quantize=["MatMul"], per_channel=False,
-                         weight_type=QuantType.QInt8)
+        # per tensor: ORT's per-channel variant came out 2-4x further from fp32 on the demo.
+        # External data: a self-draft of a large verifier (embedding + LM head) passes 2 GB
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=False,
+                         weight_type=QuantType.QInt8, use_external_data_format=True)
     finally:
         logging.getLogger().setLevel(quiet)
-    tmp.replace(path)
+    return dst
 
 
 # -- build-time checks ------------------------------------------------------------------
+
+
+class GraphMismatch(RuntimeError):
+    """An exported graph does not compute what the torch model does: ``detail`` says by how
+    much, ``path`` names the graph."""
+
+    def __init__(self, path: Path, detail: str):
+        super().__init__(f"{path}: {detail}")
+        self.path, self.detail = path, detail
+
+
+class DraftPrecisionWarning(UserWarning):
+    """An int8 drafting graph drifted past its tolerance and was built in float32."""
 
 
 def _tokenizer_vocab(model_dir: Path) -> dict | None:
@@ -449,7 +630,7 @@ def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
     if relative:
         tol *= float(outs[0].std())
     if not diff <= tol:
-        raise RuntimeError(f"{path}: ONNX logits differ from torch by {diff:g} (> {tol:g})")
+        raise GraphMismatch(path, f"ONNX logits differ from torch by {diff:g} (> {tol:g})")
     return diff
 
 
@@ -491,32 +672,57 @@ def check_draft_steps(model: Transformer, path: Path, k: int, num_layers: int | 
         gap_tol *= float(steps.std())
         kv_tol *= max(float(t.std()) for t, _ in kv)
     if not (gap <= gap_tol and kv_diff <= kv_tol):
-        raise RuntimeError(f"{path}: fused drafts trail torch's argmax by {gap:g} (> {gap_tol:g}"
-                           f"?) or its K/V differ by {kv_diff:g} (> {kv_tol:g}?)")
+        raise GraphMismatch(path, f"fused drafts trail torch's argmax by {gap:g} (> "
+                                  f"{gap_tol:g}?) or its K/V differ by {kv_diff:g} (> "
+                                  f"{kv_tol:g}?)")
     return gap
 
 
 # -- the build ----------------------------------------------------------------------------
 
 
-def export_drafting(model: Transformer, path: Path, precision: str,
-                    num_layers: int | None = None, k: int | None = None) -> None:
+def export_drafting(model: Transformer, path: Path, precision: str, store: WeightStore,
+                    num_layers: int | None = None, k: int | None = None) -> str:
     """Export a drafting graph (the step graph, or with ``k`` the fused k-step greedy draft
-    graph), check it against torch, and quantize it if asked (then check it again, within
-    ``INT8_TOL``; a fused draft the int8 logits chose may trail torch's argmax by twice that,
-    one tolerance for each of the two logits)."""
+    graph) to ``path``, its weights into ``store``, checked against torch; returns the
+    precision it got: "int8", or the store's float dtype. With ``precision="int8"`` the fp32
+    export is checked, quantized, and the int8 graph checked again within ``INT8_TOL`` (a
+    fused draft the int8 logits chose may trail torch's argmax by twice that, one tolerance
+    for each of the two logits).
+
+    An int8 graph past that tolerance is built as a float graph instead, with a
+    ``DraftPrecisionWarning`` naming it: a draft's precision never changes the output (the
+    verifier decides every token), so a valid checkpoint is never refused for it. Only the
+    float check refuses: it catches a wrong export."""
     if k is None:
-        export_step(model, path, num_layers)
-        check = partial(check_graph, model, path, num_layers)
+        export = partial(export_step, model, num_layers=num_layers)
+        check = partial(check_graph, model, num_layers=num_layers)
         int8_tol = INT8_TOL
     else:
-        export_draft_steps(model, path, k, num_layers)
-        check = partial(check_draft_steps, model, path, k, num_layers)
+        export = partial(export_draft_steps, model, k=k, num_layers=num_layers)
+        check = partial(check_draft_steps, model, k=k, num_layers=num_layers)
         int8_tol = 2 * INT8_TOL
-    check()
-    if precision == "int8":
-        quantize_draft(path)
-        check(tol=int8_tol, relative=True)
+    if precision == "float32":
+        check(path=export(path=path, store=store), **store.check_tol())
+        return store.dtype
+    # both versions in a scratch dir, checked there: only the one kept reaches the store
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
+        fp32 = export(path=Path(tmp) / path.name)
+        check(path=fp32)
+        int8 = quantize_draft(fp32, Path(tmp) / f"{path.stem}.int8.onnx")
+        try:
+            check(path=int8, tol=int8_tol, relative=True)
+            kept, precision = int8, "int8"
+        except GraphMismatch as e:
+            warnings.warn(DraftPrecisionWarning(
+                f"{path.name}: int8 weights drift past the build's tolerance ({e.detail}); "
+                f"built in {store.dtype} instead (a draft's precision never changes the "
+                "output, only its acceptance and speed)"), stacklevel=2)
+            kept, precision = fp32, store.dtype
+        copy_graph(kept, path, store)
+    if precision == "float16":  # halved on the way into the store: checked as stored
+        check(path=path, **store.check_tol())
+    return precision
 
 
 def check_limits(max_batch_size: int, max_k: int, max_seq_len: int, config: ModelConfig
@@ -528,6 +734,7 @@ def check_limits(max_batch_size: int, max_k: int, max_seq_len: int, config: Mode
     high = config.max_position_embeddings if config.is_gpt2 else 1 << 20
     if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= high:
         raise ValueError(f"max_seq_len must be an integer in [1, {high}]; got {max_seq_len!r}")
+    check_cache_len(config, max_seq_len)  # the runtime's caches must be allowed too (by name)
 
 
 def build_engines(
@@ -543,11 +750,18 @@ def build_engines(
     dtype: str = "float32",
     draft_precision: str = "int8",
     fused_drafts: bool = True,
+    weights_dtype: str = "float32",
 ) -> dict:
     """Export the verifier (+ correction and self-draft variants) and the drafts to
     ``out_dir`` and write its manifest.json. Returns the manifest.
     ``draft_precision``: weights of the drafting graphs (drafts and self-draft), int8 or
-    float32; the verifier graphs are float32 either way. ``fused_drafts``: also the fused
+    float32; the verifier graphs are float32 either way. An int8 drafting graph that drifts
+    past its tolerance is built in float32 with a ``DraftPrecisionWarning``; each graph's
+    ``precision`` in the manifest says what it got. Each model's graphs share one
+    ``<model>.weights`` file (manifest: the model's ``weights``). ``weights_dtype``
+    "float16" stores the float weights in fp16, cast back to fp32 inside the graphs (half the
+    engine dir, for TensorRT plans; I/O, KV cache and math stay fp32); each float graph's
+    ``precision`` is then "float16". ``fused_drafts``: also the fused
     k-step greedy draft graphs (k = 2 … max_k) of the autoregressive drafters, the draft
     model and the self-draft (roles ``draft_steps<k>`` / ``self_draft_steps<k>``): one ONNX
     Runtime call drafts a whole block, where k single steps cost k calls. TensorRT plans
@@ -557,6 +771,9 @@ def build_engines(
     if draft_precision not in DRAFT_PRECISIONS:
         raise ValueError(f"draft_precision must be one of {', '.join(DRAFT_PRECISIONS)}; "
                          f"got {draft_precision!r}")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}; "
+                         f"got {weights_dtype!r}")
     rule_defaults = rule_defaults or RuleParams("greedy")
     verifier_dir = Path(verifier_dir)
     verifier = load_model(verifier_dir)
@@ -580,33 +797,37 @@ def build_engines(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     models: dict[str, dict] = {}
-    graphs = {"logits": {"file": "verifier.onnx"},
-              "correction": {"file": "verifier_correction.onnx"},
+    graphs = {"logits": {"file": "verifier.onnx", "precision": weights_dtype},
+              "correction": {"file": "verifier_correction.onnx", "precision": weights_dtype},
               "self_draft": {"file": f"verifier_self{n_self}.onnx", "num_layers": n_self}}
-    export_step(verifier, out / graphs["logits"]["file"])
-    check_graph(verifier, out / graphs["logits"]["file"])
+    store = WeightStore.create(out / f"verifier{WEIGHTS}", weights_dtype)
+    check_graph(verifier, export_step(verifier, out / graphs["logits"]["file"], store=store),
+                **store.check_tol())
     add_correction(out / graphs["logits"]["file"], out / graphs["correction"]["file"],
                    rule_defaults)
-    export_drafting(verifier, out / graphs["self_draft"]["file"], draft_precision, n_self)
-    graphs["self_draft"]["precision"] = draft_precision
+    graphs["self_draft"]["precision"] = export_drafting(
+        verifier, out / graphs["self_draft"]["file"], draft_precision, store, n_self)
     fused_ks = range(2, max_k + 1) if fused_drafts else range(0)
     for k in fused_ks:
         f = f"verifier_self{n_self}_steps{k}.onnx"
-        export_drafting(verifier, out / f, draft_precision, n_self, k)
-        graphs[f"self_draft_steps{k}"] = {"file": f, "num_layers": n_self, "k": k,
-                                          "precision": draft_precision}
-    models["verifier"] = {"source": str(verifier_dir), "config": asdict(vc), "graphs": graphs}
+        graphs[f"self_draft_steps{k}"] = {
+            "file": f, "num_layers": n_self, "k": k,
+            "precision": export_drafting(verifier, out / f, draft_precision, store, n_self, k)}
+    models["verifier"] = {"source": str(verifier_dir), "config": asdict(vc),
+                          "weights": store.path.name, "graphs": graphs}
     for name, (d, draft) in drafts.items():
+        store = WeightStore.create(out / f"{name}{WEIGHTS}", weights_dtype)
         f = f"{name}.onnx"
-        export_drafting(draft, out / f, draft_precision)
         models[name] = {"source": str(d), "config": asdict(draft.config),
-                        "graphs": {"logits": {"file": f, "precision": draft_precision}}}
+                        "weights": store.path.name, "graphs": {"logits": {
+                            "file": f,
+                            "precision": export_drafting(draft, out / f, draft_precision, store)}}}
         if name == "draft":  # the parallel draft proposes its block in one pass already
             for k in fused_ks:
                 f = f"{name}_steps{k}.onnx"
-                export_drafting(draft, out / f, draft_precision, k=k)
-                models[name]["graphs"][f"draft_steps{k}"] = {"file": f, "k": k,
-                                                             "precision": draft_precision}
+                models[name]["graphs"][f"draft_steps{k}"] = {
+                    "file": f, "k": k,
+                    "precision": export_drafting(draft, out / f, draft_precision, store, k=k)}
 
     tokenizer = None
     if (verifier_dir / "tokenizer.json").is_file():
@@ -621,6 +842,7 @@ def build_engines(
         "backend": "onnx",
         "dtype": dtype,
         "draft_precision": draft_precision,
+        "weights_dtype": weights_dtype,
         "opset": OPSET,
         "vocab_size": vc.vocab_size,
         "limits": {"max_batch_size": max_batch_size, "max_k": max_k,

@@ -90,7 +90,11 @@ def test_manifest_records_the_engine_set(pair_engines):
     assert set(m["checksums"]) == {
         "verifier.onnx", "verifier_correction.onnx", "verifier_self1.onnx", "draft.onnx",
         "parallel_draft.onnx", *(f"draft_steps{k}.onnx" for k in fused_ks),
-        *(f"verifier_self1_steps{k}.onnx" for k in fused_ks)}
+        *(f"verifier_self1_steps{k}.onnx" for k in fused_ks),
+        "verifier.weights", "draft.weights", "parallel_draft.weights"}
+    for name, model in m["models"].items():  # one weights file per model, a precision per graph
+        assert model["weights"] == f"{name}.weights"
+        assert {g["precision"] for g in model["graphs"].values()} == {"float32"}
     assert {"paradraft", "torch", "onnx", "onnxruntime"} <= set(m["versions"])
     op = m["custom_ops"]["CausalCorrection"]
     assert op == {"domain": "paradraft", "plugin_version": "1", "plugin_namespace": "paradraft"}
@@ -102,6 +106,34 @@ def test_manifest_records_the_engine_set(pair_engines):
     assert node.domain == "paradraft" and attrs["plugin_version"] == b"1"
     assert attrs["plugin_namespace"] == b"paradraft" and attrs["rule"] == b"greedy"
     assert [o.name for o in graph.output][:3] == ["num_accepted", "next_token", "accepted_tokens"]
+
+
+def external_ranges(path: Path) -> set[tuple[str, int, int]]:
+    """(file, offset, length) of every external tensor of a graph."""
+    import onnx
+
+    ranges = set()
+    for t in onnx.load(str(path), load_external_data=False).graph.initializer:
+        if t.data_location == t.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            ranges.add((info["location"], int(info.get("offset", 0)), int(info["length"])))
+    return ranges
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of the weights a graph holds (inline or external, each range once)."""
+    import onnx
+
+    inline = sum(len(t.raw_data) for t in onnx.load(str(path), load_external_data=False)
+                 .graph.initializer if t.data_location != t.EXTERNAL)
+    return inline + sum(length for *_, length in external_ranges(path))
+
+
+def fp32_weight_bytes(model_dir) -> int:
+    """A checkpoint's weights in fp32, a tied LM head counted apart from the embedding (the
+    graph holds it transposed)."""
+    model = load_model(model_dir)
+    return 4 * sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
 
 
 def graph_ops_list(path: Path) -> list[str]:
@@ -133,8 +165,17 @@ def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_e
             op == "MatMul" for op in graph_ops_list(pair_engines / name)) - sum(
             op == "MatMulInteger" for op in graph_ops_list(out / name))
         assert "MatMulInteger" not in graph_ops(pair_engines / name)
+    assert all(g["precision"] == "int8" for name, model in m["models"].items()
+               for role, g in model["graphs"].items() if (name, role) not in (
+                   ("verifier", "logits"), ("verifier", "correction")))
     for name in ("draft.onnx", "parallel_draft.onnx", "verifier_self1.onnx"):
-        assert (out / name).stat().st_size < (pair_engines / name).stat().st_size
+        assert weight_bytes(out / name) < weight_bytes(pair_engines / name) / 2
+    # a draft model's int8 graphs share one file, which holds no fp32 copy of its matrices
+    ranges = set().union(*(external_ranges(out / g["file"])
+                           for g in m["models"]["draft"]["graphs"].values()))
+    assert {f for f, *_ in ranges} == {"draft.weights"}
+    assert sum(n for *_, n in ranges) == (out / "draft.weights").stat().st_size
+    assert (out / "draft.weights").stat().st_size < fp32_weight_bytes(ddir) / 2
     for name in ("verifier.onnx", "verifier_correction.onnx"):  # the verifier decides: fp32
         assert "MatMulInteger" not in graph_ops(out / name)
     verifier, drafters, _, _ = load_engines(out)
@@ -266,20 +307,183 @@ def test_build_refuses_unknown_draft_precision_and_trt_plans_of_int8_drafts(pair
 
 
 @pytest.mark.parametrize("damage", ["missing", "changed"])
-def test_manifest_refuses_missing_or_changed_files(pair_engines, tmp_path, damage):
+@pytest.mark.parametrize("victim", ["engine file draft.onnx", "weights file verifier.weights",
+                                    "weights file draft.weights"])
+def test_manifest_refuses_missing_or_changed_files(pair_engines, tmp_path, damage, victim):
     engine_dir = tmp_path / "engines"
     shutil.copytree(pair_engines, engine_dir)
-    victim = engine_dir / "draft.onnx"
+    what, name = victim.rsplit(" ", 1)
+    path = engine_dir / name
     if damage == "missing":
-        victim.unlink()
-        with pytest.raises(FileNotFoundError, match=r"draft\.onnx .*is missing"):
+        path.unlink()
+        with pytest.raises(FileNotFoundError, match=rf"{what} \S*{name} .*is missing"):
             load_engines(engine_dir)
     else:
-        data = bytearray(victim.read_bytes())
-        data[-1] ^= 1
-        victim.write_bytes(bytes(data))
-        with pytest.raises(ValueError, match=r"draft\.onnx does not match its sha256"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+        with pytest.raises(ValueError, match=rf"{what} \S*{name} does not match its sha256"):
             load_engines(engine_dir)
+
+
+def test_loader_refuses_a_config_it_cannot_read(pair_engines, tmp_path):
+    """An engine dir whose manifest config has fields this ModelConfig lacks (built by
+    another version) is refused by name, not with a TypeError."""
+    engine_dir = tmp_path / "engines"
+    shutil.copytree(pair_engines, engine_dir)
+    path = engine_dir / "manifest.json"
+    m = json.loads(path.read_text())
+    m["models"]["verifier"]["config"]["eos_token_id"] = 0  # an older field name
+    path.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"manifest\.json: model 'verifier' has a config this "
+                                         r"version cannot read .*rebuild the engines"):
+        load_engines(engine_dir)
+
+
+def test_graphs_of_a_model_share_one_weights_file(pair, pair_engines, tmp_path):
+    """Every graph keeps its weights outside (ONNX external data) in its model's one
+    ``<model>.weights`` file, each tensor once: the engine dir is about the size of the
+    models' fp32 weights, not of its twenty graphs. A copy of the dir elsewhere loads (the
+    graphs name their weights file relative to themselves) and answers like torch."""
+    import onnx
+
+    from paradraft.build.onnx import INLINE_BYTES
+
+    m = json.loads((pair_engines / "manifest.json").read_text())
+    fp32 = {"verifier": fp32_weight_bytes(pair[0]), "draft": fp32_weight_bytes(pair[1]),
+            "parallel_draft": fp32_weight_bytes(pair[2])}
+    for name, model in m["models"].items():
+        weights = pair_engines / model["weights"]
+        assert weights.stat().st_size <= 1.3 * fp32[name], name
+        # every byte of it is used, each by whichever graphs need it (no padding: these
+        # tiny models have no tensor of ALIGN_FROM bytes, the ones aligned)
+        ranges = set().union(*(external_ranges(pair_engines / g["file"])
+                               for g in model["graphs"].values()))
+        assert sum(n for *_, n in ranges) == weights.stat().st_size, name
+        for g in model["graphs"].values():
+            graph = onnx.load(str(pair_engines / g["file"]), load_external_data=False).graph
+            for t in graph.initializer:
+                if t.data_location == t.EXTERNAL:
+                    assert {e.key: e.value for e in t.external_data}["location"] == weights.name
+                else:
+                    assert len(t.raw_data) < INLINE_BYTES, (g["file"], t.name)
+            # the graph file itself: nodes and shape constants only
+            assert (pair_engines / g["file"]).stat().st_size < 256 * 1024, g["file"]
+    files = list(pair_engines.iterdir())
+    graphs = sum(f.stat().st_size for f in files if f.suffix == ".onnx")
+    assert graphs < 3 * 1024 * 1024  # 20 graphs of the 3-layer models
+    total = sum(f.stat().st_size for f in files)
+    assert total <= 1.3 * sum(fp32.values()) + graphs + 64 * 1024  # + manifest
+    assert {f.name for f in files if f.suffix == ".weights"} == {
+        "verifier.weights", "draft.weights", "parallel_draft.weights"}
+    # moved elsewhere, the dir still loads and answers like torch
+    moved = tmp_path / "moved"
+    shutil.copytree(pair_engines, moved)
+    verifier, drafters, _, _ = load_engines(moved)
+    tokens, pos = torch.tensor([[4, 8, 15, 16]]), torch.tensor([[0, 1, 2, 3]])
+    for engine, model_dir, layers in ((verifier, pair[0], None), (verifier, pair[0], 1),
+                                      (drafters["model"].model, pair[1], None)):
+        want = load_model(model_dir)(tokens, pos, new_kv_cache(engine.config, 1, 8,
+                                                               torch.float32),
+                                     num_layers=layers)[0]
+        got = engine(tokens, pos, new_kv_cache(engine.config, 1, 8, torch.float32),
+                     num_layers=layers)[0]
+        assert (want - got).abs().max() < 1e-4
+
+
+def test_float16_weights_halve_the_weights_files_and_stay_close_to_torch(pair, pair_engines,
+                                                                        tmp_path):
+    """``weights_dtype="float16"`` (``build --weights-dtype float16``, for TensorRT plans):
+    the weights files hold fp16, cast back to fp32 inside the graphs, so the engine I/O and
+    the KV cache stay fp32 and the ORT backend still runs them, within fp16 rounding."""
+    import onnx
+
+    from paradraft.build.onnx import FP16_TOL
+
+    vdir, ddir, _, _ = pair
+    out = tmp_path / "fp16"
+    m = build_engines(vdir, out, ddir, self_draft_layers=1, draft_precision="float32",
+                      max_k=2, weights_dtype="float16")
+    assert m["weights_dtype"] == "float16"
+    assert {g["precision"] for model in m["models"].values()
+            for g in model["graphs"].values()} == {"float16"}
+    for name in ("verifier.weights", "draft.weights"):
+        assert (out / name).stat().st_size <= 0.55 * (pair_engines / name).stat().st_size
+    graph = onnx.load(str(out / "verifier.onnx"), load_external_data=False).graph
+    assert [i.type.tensor_type.elem_type for i in graph.input if i.name.startswith("past_")
+            ] == [onnx.TensorProto.FLOAT] * 6  # the KV cache stays fp32
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.initializer)
+    verifier, drafters, _, _ = load_engines(out)
+    tokens, pos = torch.tensor([[4, 8, 15, 16]]), torch.tensor([[0, 1, 2, 3]])
+    for engine, model_dir in ((verifier, vdir), (drafters["model"].model, ddir)):
+        want = load_model(model_dir)(tokens, pos, new_kv_cache(engine.config, 1, 8,
+                                                               torch.float32))[0]
+        got = engine(tokens, pos, new_kv_cache(engine.config, 1, 8, torch.float32))[0]
+        assert 0 < (want - got).abs().max() < FP16_TOL * want.std()
+    with pytest.raises(ValueError, match="weights_dtype must be one of float32, float16; "
+                                         "got 'bfloat16'"):
+        build_engines(vdir, tmp_path / "bad", weights_dtype="bfloat16")
+
+
+def drifting_draft(tmp_path) -> str:
+    """A valid random llama draft whose int8 weights drift: large random weights
+    (initializer_range 1.0) make a chaotic network in which int8 rounding grows through the
+    layers, past the build's tolerance (asserted by the caller)."""
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", layers=3, tie_word_embeddings=False, initializer_range=1.0)
+    return save_hf(transformers.AutoModelForCausalLM.from_config(cfg).eval(),
+                   tmp_path / "drifting_draft")
+
+
+def test_default_build_builds_a_drifting_int8_draft_in_float32(pair, tmp_path):
+    """``build`` with default flags never refuses a valid checkpoint for its draft's
+    precision: an int8 drafting graph past its tolerance is built in float32, the CLI warns
+    naming the graph, and the manifest records the precision per graph. Output unchanged."""
+    from paradraft.build.onnx import (
+        INT8_TOL,
+        GraphMismatch,
+        check_graph,
+        export_step,
+        quantize_draft,
+    )
+
+    vdir = pair[0]
+    ddir = drifting_draft(tmp_path)
+    # the precondition: this draft's int8 step graph really drifts past INT8_TOL (while
+    # its fp32 export is exact), so the build below cannot pass vacuously
+    draft = load_model(ddir)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    fp32 = export_step(draft, probe / "draft.onnx")
+    assert check_graph(draft, fp32) < 1e-3
+    int8 = quantize_draft(fp32, probe / "draft.int8.onnx")
+    with pytest.raises(GraphMismatch, match="ONNX logits differ from torch"):
+        check_graph(draft, int8, tol=INT8_TOL, relative=True)
+
+    out = tmp_path / "engines"
+    r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--backend", "onnx",
+                "--out", str(out), "--max-k", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "DraftPrecisionWarning: draft.onnx: int8 weights drift" in r.stderr
+    assert "built in float32 instead" in r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["draft_precision"] == "int8"  # what was asked; each graph says what it got
+    graphs = m["models"]["draft"]["graphs"]
+    assert graphs["logits"]["precision"] == "float32"
+    for role, g in {**graphs, **m["models"]["verifier"]["graphs"]}.items():
+        warned = f"DraftPrecisionWarning: {g['file']}:" in r.stderr
+        assert g["precision"] == ("float32" if warned or role in ("logits", "correction")
+                                  else "int8"), (role, g)
+    assert "MatMulInteger" not in graph_ops(out / "draft.onnx")
+    assert m["models"]["verifier"]["graphs"]["self_draft"]["precision"] == "int8"
+    # the fp32 draft graph drafts; the verifier decides: its own greedy output
+    verifier, drafters, _, _ = load_engines(out)
+    prompts = [[4, 8, 15], [16, 23, 42, 7]]
+    truth = SpeculativeDecoder(load_model(vdir), None, RuleParams("greedy"),
+                               max_batch_size=2).generate(prompts, 12).token_ids
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=2,
+                             max_batch_size=2, acceptance_floor=0.0)
+    assert dec.generate(prompts, 12).token_ids == truth
 
 
 def test_build_refuses_a_draft_with_another_vocabulary(pair, tmp_path):

@@ -45,6 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "onnx: int8 (default; the verifier decides, so output is unchanged) "
                          "or float32; --backend tensorrt takes float32 (use --precision)")
     add_trtllm_parallel_args(p)
+    p.add_argument("--weights-dtype", choices=["float32", "float16"], default=None,
+                    help="how the ONNX graphs store their float weights (--backend onnx, "
+                         "tensorrt): float32 (default) or float16, cast back to fp32 in the "
+                         "graphs (half the engine dir, for TensorRT plans; I/O, KV cache and "
+                         "math stay fp32)")
     add_rule_args(p)  # the rule defaults the correction graph carries
     p.set_defaults(run=run)
 
@@ -70,6 +75,9 @@ def add_trtllm_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.backend == "trtllm":
+        if getattr(args, "weights_dtype", None) is not None:
+            raise ValueError("--weights-dtype: the trtllm backend takes its dtype from "
+                             "--precision / --dtype")
         return run_trtllm(args)
     given = [k for k, v in TRTLLM_PARALLEL_DEFAULTS.items() if getattr(args, k) != v]
     if given:
@@ -82,6 +90,8 @@ def run(args: argparse.Namespace) -> None:
         build_engines, options = onnx_build.build_engines, {}
     if args.draft_precision is not None:  # else the backend's default (onnx int8, trt fp32)
         options["draft_precision"] = args.draft_precision
+    if args.weights_dtype is not None:
+        options["weights_dtype"] = args.weights_dtype
 
     verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
     if verifier is None:  # no model arguments: the shipped demo set

@@ -7,9 +7,19 @@ from pathlib import Path
 
 from ..drafters import DRAFTERS, AnyDrafter, Drafter
 from ..model import ModelConfig
-from .manifest import read_manifest
+from .manifest import MANIFEST, read_manifest
 from .ort import OrtModel
 from .trt import load_trt_model
+
+
+def model_config(engine_dir: Path, name: str, config: dict) -> ModelConfig:
+    """Model ``name``'s ModelConfig from the manifest, or a refusal naming the manifest: an
+    engine dir built by a version whose ModelConfig had other fields must be rebuilt."""
+    try:
+        return ModelConfig(**config)
+    except TypeError as e:
+        raise ValueError(f"{engine_dir / MANIFEST}: model {name!r} has a config this version "
+                         f"cannot read ({e}); rebuild the engines") from None
 
 
 def load_engines(
@@ -45,7 +55,7 @@ def load_engines(
         draft_steps = {(g.get("num_layers"), g["k"]): engine_dir / g["file"]
                        for role, g in m["graphs"].items() if role.startswith(
                            ("draft_steps", "self_draft_steps"))}
-        return OrtModel(ModelConfig(**m["config"]), graphs,
+        return OrtModel(model_config(engine_dir, name, m["config"]), graphs,
                         engine_dir / correction["file"] if correction else None, threads,
                         draft_steps, draft_threads)
 

@@ -1,9 +1,9 @@
 """``ENGINE_DIR/manifest.json``: the engine set a runtime loads, and nothing else.
 
-It names every file (graphs, tokenizer) with its sha256, says which graph plays which role,
-and records the model configs, limits, dtype, backend, rule defaults and the versions that
-built it. ``read_manifest`` refuses an engine dir whose files are missing or changed, naming
-the file, so a half-copied or edited engine never runs.
+It names every file (graphs, each model's weights file, tokenizer) with its sha256, says
+which graph plays which role, and records the model configs, limits, dtype, backend, rule
+defaults and the versions that built it. ``read_manifest`` refuses an engine dir whose files
+are missing or changed, naming the file, so a half-copied or edited engine never runs.
 """
 
 from __future__ import annotations
@@ -36,10 +36,15 @@ def package_versions(names: tuple[str, ...] = ("paradraft", "torch", "onnx", "on
     return out
 
 
+def weight_files(manifest: dict) -> list[str]:
+    """The models' weights files (``<model>.weights``, which their graphs point into)."""
+    return sorted({m["weights"] for m in manifest["models"].values() if m.get("weights")})
+
+
 def write_manifest(engine_dir: str | Path, manifest: dict) -> dict:
     """Add the sha256 of every file the manifest names, write manifest.json, return it."""
     engine_dir = Path(engine_dir)
-    files = set()
+    files = set(weight_files(manifest))
     for model in manifest["models"].values():
         files.update(g["file"] for g in model["graphs"].values())
     if manifest.get("tokenizer"):
@@ -61,11 +66,13 @@ def read_manifest(engine_dir: str | Path, verify: bool = True) -> dict:
         raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}; "
                          f"got {manifest.get('format_version')!r}")
     if verify:
+        weights = set(weight_files(manifest))
         for name, digest in manifest["checksums"].items():
             f = engine_dir / name
+            what = "weights file" if name in weights else "engine file"
             if not f.is_file():
-                raise FileNotFoundError(f"engine file {f} named in {path} is missing")
+                raise FileNotFoundError(f"{what} {f} named in {path} is missing")
             if sha256_file(f) != digest:
-                raise ValueError(f"engine file {f} does not match its sha256 in {path} "
+                raise ValueError(f"{what} {f} does not match its sha256 in {path} "
                                  "(rebuild the engines)")
     return manifest

@@ -109,15 +109,20 @@ def session_options(threads: int | None = None, custom_ops: bool = False):
 
 
 class Graph:
-    """One ORT session run with IO binding over torch CPU tensors."""
+    """One ORT session run with IO binding over torch CPU tensors. ``path``: the graph file
+    (its external weights resolve next to it), or the graph's bytes with ``weights_dir``,
+    where its weights files are."""
 
     def __init__(self, path: str | Path | bytes, threads: int | None = None,
-                 custom_ops: bool = False):
+                 custom_ops: bool = False, weights_dir: str | Path | None = None):
         import onnxruntime as ort
 
+        so = session_options(threads, custom_ops)
+        if weights_dir is not None:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                        str(weights_dir))
         model = path if isinstance(path, bytes) else str(path)
-        self.session = ort.InferenceSession(model, session_options(threads, custom_ops),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         # one binding, rebound per call: a Graph (and so an OrtModel) serves one thread
         self.binding = self.session.io_binding()
 
@@ -245,10 +250,13 @@ class OrtModel:
         if params not in self._corrections:
             import onnx
 
-            model = onnx.load(str(self.correction_path))
+            # the graph alone (its weights stay in the engine dir's weights file): a rewrite
+            # of a few attributes, and a graph past 2 GB could not be serialized with them
+            path = Path(self.correction_path)
+            model = onnx.load(str(path), load_external_data=False)
             set_rule(model, params)
             self._corrections[params] = Graph(model.SerializeToString(), self.threads,
-                                              custom_ops=True)
+                                              custom_ops=True, weights_dir=path.parent)
         return self._corrections[params]
 
     def verify_and_correct(
