@@ -108,7 +108,17 @@ def run(args: argparse.Namespace) -> None:
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,
             "backends": backends, "repeats": args.repeats, "vs_torch": ratios,
-            "onnx_draft_precision": draft_precision}
+            "onnx_draft_precision": draft_precision,
+            # what the rows' bound fields mean (docs/results.md, "Distance to the bound")
+            "definitions": {
+                "alpha": "i.i.d. acceptance with sum_{i=1..K} alpha^i = mean accepted drafts "
+                         "per round",
+                "cost_ratio": "draft seconds per round / K / the plain baseline's seconds per "
+                              "step, same batch size",
+                "bound": "(1 - alpha^(K+1)) / ((1 - alpha) (K cost_ratio + 1)), K = mean_k",
+                "efficiency": "speedup_vs_baseline / bound",
+                "phase_share": "draft, verify, correct, prefill, other (= wall clock - the "
+                               "four) over the wall clock"}}
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))

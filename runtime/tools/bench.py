@@ -7,6 +7,10 @@ ratios within this run (the machines are noisy; compare ratios, not absolute tok
 With ``repeats`` > 1 the whole plan runs that many times in turn; a row's tokens/s is its
 median and each ratio the median of the per-repeat ratios, so a slow spell during one
 variant (the baseline, say) moves one repeat, not the result.
+
+Each speculative row is also set against Leviathan et al.'s bound for its measured acceptance
+α and draft cost ratio c (``distance_to_bound``), and every row of ours shows where a round's
+time goes: draft, verify, correct, prefill and the rest ("other": Python between the phases).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from tqdm import tqdm
 from ..correction import RULES, RuleParams
 from ..drafters import AnyDrafter
 from ..k_policy import analytic_length
-from ..metrics import aggregate
+from ..metrics import SpecStats, aggregate
 from ..model import Transformer
 from ..speculative import SpeculativeDecoder
 
@@ -41,12 +45,28 @@ class BenchRow:
     tokens: int = 0
     seconds: float = 0.0
     acceptance_rate: float | None = None
-    alpha: float | None = None  # P(accept | position reached) = accepted / (accepted + rejections)
+    # the i.i.d. α whose expected accepted drafts per round, Σ_{i=1..K} α^i, equal the measured
+    # mean (``alpha_from_mean_accepted``): Leviathan's tokens per round then equal the measured
+    alpha: float | None = None
+    alpha_per_position: float | None = None  # accepted / (accepted + rejections)
     mean_acceptance_length: float | None = None
     mean_k: float | None = None  # draft tokens per verify step (the K the rounds used)
-    analytic_acceptance_length: float | None = None
+    analytic_acceptance_length: float | None = None  # Leviathan's length at alpha_per_position
     per_position_acceptance: list[float] = field(default_factory=list)
-    time_share: dict = field(default_factory=dict)
+    # c: draft seconds per drafted token over the plain baseline's seconds per step (same batch)
+    cost_ratio: float | None = None
+    verify_vs_plain_step: float | None = None  # this row's verify pass over a plain step
+    bound: float | None = None  # Leviathan's speed-up bound at (alpha, mean_k, cost_ratio)
+    efficiency: float | None = None  # speedup_vs_baseline / bound
+    # where the time goes, summed over batches and repeats: draft, verify, correct, prefill,
+    # other (the rest of the wall clock: Python between the phases); rounds = decoder steps
+    rounds: int = 0
+    phase_seconds: dict = field(default_factory=dict)
+    phase_share: dict = field(default_factory=dict)  # of the wall clock; sums to 1
+    phase_ms_per_round: dict = field(default_factory=dict)
+    # per-row decoder stats over batches and repeats (the counts behind α, over the same
+    # rounds as the phase times: the goodput policy's K varies between repeats); not in JSON
+    spec_stats: list[SpecStats] = field(default_factory=list, repr=False)
     speedup_vs_baseline: float | None = None
     speedup_vs_hf_assisted: float | None = None
     backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
@@ -61,6 +81,7 @@ class BenchRow:
 
     def to_dict(self) -> dict:
         d = self.__dict__.copy()
+        del d["spec_stats"]
         d["tokens_per_second"] = self.tokens_per_second
         return d
 
@@ -71,40 +92,115 @@ def median_ratio(row: BenchRow, reference: BenchRow) -> float:
         row.repeat_tokens_per_second, reference.repeat_tokens_per_second, strict=True))
 
 
+PHASES = ("draft", "verify", "correct", "prefill", "other")
+
+
+def leviathan_bound(alpha: float, k: float, c: float) -> float:
+    """Leviathan et al.'s speed-up over plain decoding for i.i.d. acceptance ``alpha``, ``k``
+    drafts per round and draft cost ``c`` per token (in plain decoding steps):
+    (1 − α^(K+1)) / ((1 − α)(K·c + 1)); α = 1 is the limit (K+1)/(K·c + 1)."""
+    if not 0.0 <= alpha <= 1.0 or k < 0 or c < 0:
+        raise ValueError(f"need 0 <= alpha <= 1, k >= 0, c >= 0; got {alpha}, {k}, {c}")
+    return analytic_length(alpha, k) / (k * c + 1.0)
+
+
+def alpha_from_mean_accepted(mean_accepted: float, k: float) -> float:
+    """The i.i.d. α whose expected accepted drafts per round, Σ_{i=1..K} α^i =
+    (α − α^(K+1)) / (1 − α), equal ``mean_accepted`` (bisection: the sum grows with α)."""
+    if k <= 0 or mean_accepted <= 0.0:
+        return 0.0
+    if mean_accepted >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # 2^-60: below float resolution near α
+        mid = (lo + hi) / 2
+        if analytic_length(mid, k) - 1.0 < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RuleParams, k: int,
              prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
              row: BenchRow, token_ids: list[list[int]] | None = None) -> BenchRow:
     """Decode ``prompts`` in batches into ``row``'s counts; ``token_ids``: a list to extend
-    with each prompt's generated tokens (to compare outputs across variants)."""
+    with each prompt's generated tokens (to compare outputs across variants). The phase
+    times add to ``row``'s (over batches and repeats)."""
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
                              acceptance_floor=0.0,
                              draft_len_schedule="auto" if row.schedule == "auto" else None)
     dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
-    stats = []
     for i in range(0, len(prompts), batch_size):
-        out = dec.generate(prompts[i: i + batch_size], max_new_tokens, seed=seed)
-        stats.append(out.stats)
+        batch = prompts[i: i + batch_size]
+        row_stats: list[SpecStats] = []
+        out: list[list[int]] = [[] for _ in batch]
+        rounds, prefill = -1, 0.0  # the first yield is the prefill's token
+        t0 = time.perf_counter()
+        for new in dec.stream(batch, max_new_tokens, seed=seed, stats=row_stats):
+            if rounds < 0:
+                prefill = time.perf_counter() - t0
+            rounds += 1
+            for tokens, gained in zip(out, new, strict=True):
+                tokens.extend(gained)
+        wall = time.perf_counter() - t0
+        row.spec_stats += row_stats
         if token_ids is not None:
-            token_ids += out.token_ids
-    total = aggregate(stats)
-    total.draft_time = sum(s.draft_time for s in stats)
-    total.verify_time = sum(s.verify_time for s in stats)
-    total.correct_time = sum(s.correct_time for s in stats)
-    row.tokens = total.generated_tokens
-    row.seconds = sum(s.total_time for s in stats)
-    row.time_share = total.to_dict()["time_share"]
+            token_ids += out
+        # every round adds its phase times to each running row, so the row that ran longest
+        # holds the batch's totals (aggregate() takes row 0's, short when row 0 ends early)
+        last = max(row_stats, key=lambda s: s.draft_time + s.verify_time + s.correct_time)
+        phases = {"draft": last.draft_time, "verify": last.verify_time,
+                  "correct": last.correct_time, "prefill": prefill}
+        phases["other"] = wall - sum(phases.values())
+        for name, seconds in phases.items():
+            row.phase_seconds[name] = row.phase_seconds.get(name, 0.0) + seconds
+        row.rounds += rounds
+        row.tokens += sum(s.generated_tokens for s in row_stats)
+        row.seconds += wall
+    total = aggregate(row.spec_stats)
     if drafter is not None:
         row.acceptance_rate = total.acceptance_rate
         row.mean_acceptance_length = total.mean_acceptance_length
-        row.mean_k = total.draft_tokens / max(total.verify_steps, 1)
-        # Leviathan's α is per reached position: each step ends in one rejection or K accepts
+        steps = max(total.verify_steps, 1)
+        row.mean_k = total.draft_tokens / steps
+        row.alpha = alpha_from_mean_accepted(total.accepted_tokens / steps, row.mean_k)
+        # per reached position: each step ends in one rejection or K accepts
         reached = total.accepted_tokens + total.rollbacks
-        row.alpha = total.accepted_tokens / reached if reached else 1.0
+        row.alpha_per_position = total.accepted_tokens / reached if reached else 1.0
         if row.schedule == "fixed":  # the analytic length assumes one K for every round
-            row.analytic_acceptance_length = analytic_length(row.alpha, k)
+            row.analytic_acceptance_length = analytic_length(row.alpha_per_position, k)
         row.per_position_acceptance = total.per_position_acceptance
     return row
+
+
+def phase_breakdown(row: BenchRow) -> None:
+    """Shares of the wall clock and milliseconds per round, from the summed phase times."""
+    wall = sum(row.phase_seconds.values())
+    row.phase_share = {p: row.phase_seconds[p] / wall if wall else 0.0 for p in PHASES}
+    row.phase_ms_per_round = {p: 1e3 * row.phase_seconds[p] / max(row.rounds, 1)
+                              for p in PHASES}
+
+
+def step_seconds(row: BenchRow) -> float:
+    """Seconds per round outside the prefill (for the baseline: one plain decoding step)."""
+    seconds = sum(row.phase_seconds[p] for p in PHASES if p != "prefill")
+    return seconds / max(row.rounds, 1)
+
+
+def distance_to_bound(row: BenchRow, base: BenchRow) -> None:
+    """``row``'s cost ratio, Leviathan bound and efficiency against its plain ``base`` (same
+    batch size and sampling). The bound is relative to plain decoding, so the unit of cost is
+    the baseline's step, Python around it included: c = (draft seconds per round / K) / (plain
+    seconds per step). K is the mean K the rounds drafted (the fixed K, or the policy's mean)."""
+    if row.alpha is None or not row.mean_k or not row.rounds or not base.rounds:
+        return
+    plain = step_seconds(base)
+    row.cost_ratio = row.phase_seconds["draft"] / row.rounds / row.mean_k / plain
+    row.verify_vs_plain_step = row.phase_seconds["verify"] / row.rounds / plain
+    row.bound = leviathan_bound(row.alpha, row.mean_k, row.cost_ratio)
+    row.efficiency = row.speedup_vs_baseline / row.bound
 
 
 @torch.no_grad()
@@ -173,7 +269,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
         for row in rows:
-            row.tokens, row.seconds = 0, 0.0
+            row.tokens, row.seconds = 0, 0.0  # per repeat (the phase times add up)
             n = max(len(prompts) // row.batch_size, 1) * row.batch_size
             batch_prompts = (prompts * row.batch_size)[:n]
             if row.system == "hf":
@@ -193,6 +289,9 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
         base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
                     and r.batch_size == row.batch_size and r.sampling == row.sampling)
         row.speedup_vs_baseline = median_ratio(row, base)
+        if row.system == "ours":
+            phase_breakdown(row)
+            distance_to_bound(row, base)
     compare_hf(rows)
     return rows
 
@@ -261,6 +360,9 @@ def best_configs(rows: list[BenchRow]) -> dict:
             "speedup_vs_hf_assisted_same_k": best.speedup_vs_hf_assisted,
             "acceptance_rate": best.acceptance_rate,
             "mean_acceptance_length": best.mean_acceptance_length,
+            "alpha": best.alpha,
+            "bound": best.bound,
+            "efficiency": best.efficiency,
         }
         if best_vs_hf is not None:
             out[f"batch_{bs}"]["best_vs_hf_assisted"] = {
@@ -270,19 +372,41 @@ def best_configs(rows: list[BenchRow]) -> dict:
     return out
 
 
+def fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def row_label(r: BenchRow) -> str:
+    k = str(r.k) if r.schedule == "fixed" else f"auto{r.k}"
+    return f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:9s} {k:>6s} {r.batch_size:3d}"
+
+
 def print_rows(rows: list[BenchRow]) -> None:
-    print(f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':6s} {'K':>6s} {'B':>3s} "
-          f"{'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} {'len':>5s} "
-          f"{'analytic':>8s} {'mean K':>6s}")
+    """Two tables with the same rows: speed and the distance to Leviathan's bound, then
+    where a round's time goes (ms per round, and the share of the wall clock)."""
+    head = f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':9s} {'K':>6s} {'B':>3s}"
+    print(f"{head} {'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} "
+          f"{'len':>5s} {'analytic':>8s} {'mean K':>6s} {'alpha':>5s} {'c':>5s} "
+          f"{'bound':>6s} {'eff':>5s}")
     for r in rows:
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "-"
-        k = str(r.k) if r.schedule == "fixed" else f"auto{r.k}"
-        print(f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:6s} {k:>6s} {r.batch_size:3d} "
-              f"{r.tokens_per_second:8.1f} {fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
+        print(f"{row_label(r)} {r.tokens_per_second:8.1f} "
+              f"{fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
               f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
               f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
-              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s} {fmt(r.mean_k, '6.2f'):>6s}")
+              f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s} {fmt(r.mean_k, '6.2f'):>6s} "
+              f"{fmt(r.alpha, '5.2f'):>5s} {fmt(r.cost_ratio, '5.2f'):>5s} "
+              f"{fmt(r.bound, '5.2f'):>5s}x {fmt(r.efficiency, '5.2f'):>5s}")
+    print("\nwhere a round's time goes: ms per round (share of the wall clock); other = wall "
+          "clock - the four; verify/plain: the verify pass over a plain step")
+    print(f"{head} {'ms/round':>8s} " + " ".join(f"{p:>12s}" for p in PHASES)
+          + f" {'verify/plain':>12s}")
+    for r in rows:
+        if r.system != "ours" or not r.rounds:
+            continue
+        cells = " ".join(f"{r.phase_ms_per_round[p]:6.2f} ({r.phase_share[p]:3.0%})"
+                         for p in PHASES)
+        print(f"{row_label(r)} {sum(r.phase_ms_per_round.values()):8.2f} {cells} "
+              f"{fmt(r.verify_vs_plain_step, '12.2f'):>12s}")
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
