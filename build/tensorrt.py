@@ -107,7 +107,7 @@ def build_plans(engine_dir: str | Path, precision: str = "fp32",
             plan, profiles, cache = build_plan(
                 trt, (engine_dir / graph["file"]).read_bytes(), ROLE_PROFILES[role], limits,
                 model["config"], precision, cache, plugin=role == "correction",
-                name=graph["file"])
+                name=graph["file"], path=engine_dir / graph["file"])
             graph["plan"] = plan_file(graph["file"])
             graph["profiles"] = profiles
             (engine_dir / graph["plan"]).write_bytes(plan)

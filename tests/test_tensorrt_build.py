@@ -340,8 +340,13 @@ def fake_tensorrt(version: str = "10.9.0.34") -> types.ModuleType:
         def __init__(self, network, logger):
             self.network = network
 
-        def parse(self, data):
+        def parse(self, data, path=None):
+            # a graph with external weights must come with its path (TensorRT finds the
+            # weights file from it)
             model = onnx.load_from_string(data)
+            external = any(t.data_location == onnx.TensorProto.EXTERNAL
+                           for t in model.graph.initializer)
+            assert path is not None or not external, "external weights without a path"
             self.network.inputs = [Input(i.name) for i in model.graph.input]
             ops = {n.op_type for n in model.graph.node}
             log.append(("parse", "CausalCorrection" in ops, len(self.network.inputs)))

@@ -175,15 +175,18 @@ def register_plugin() -> None:
 
 def build_plan(trt, onnx_model: bytes, kinds: tuple[str, ...], limits: Limits, config: dict,
                precision: str, timing_cache: bytes = b"", plugin: bool = False,
-               name: str = "graph") -> tuple[bytes, list[dict], bytes]:
-    """Parse one ONNX graph and build its plan. Returns (plan, profiles, timing cache)."""
+               name: str = "graph", path: str | Path | None = None
+               ) -> tuple[bytes, list[dict], bytes]:
+    """Parse one ONNX graph and build its plan. Returns (plan, profiles, timing cache).
+    ``path``: where the graph lives; its weights are external data next to it (the
+    engine dir's shared ``<model>.weights``), which the parser resolves from that path."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # explicit batch: the only mode since TensorRT 10
     if plugin:
         register_plugin()
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(onnx_model):
+    if not parser.parse(onnx_model, path=None if path is None else str(path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise RuntimeError(f"TensorRT could not parse {name}: {errors}")
     inputs = [network.get_input(i) for i in range(network.num_inputs)]
@@ -220,9 +223,10 @@ def rule_plan(trt, onnx_path: str | Path, params, limits: Limits, config: dict,
     plugin fields are fixed in a plan, so other rule parameters need a build of their own."""
     import onnx
 
-    model = onnx.load(str(onnx_path))
+    # the graph alone: its weights stay external, found by the parser from onnx_path
+    model = onnx.load(str(onnx_path), load_external_data=False)
     set_rule(model, params)
     plan, profiles, _ = build_plan(trt, model.SerializeToString(), ROLE_PROFILES["correction"],
                                    limits, config, precision, timing_cache, plugin=True,
-                                   name=f"{onnx_path} ({params.rule})")
+                                   name=f"{onnx_path} ({params.rule})", path=onnx_path)
     return plan, profiles
