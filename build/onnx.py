@@ -29,7 +29,6 @@ the 2 GB protobuf limit exports, and an engine dir is about the size of its weig
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import shutil
@@ -46,6 +45,7 @@ from torch import Tensor, nn
 from paradraft.runtime.backends.engine_io import DOMAIN, OP_TYPE, PLUGIN_VERSION, set_rule
 from paradraft.runtime.backends.manifest import package_versions, write_manifest
 from paradraft.runtime.backends.ort import OrtModel
+from paradraft.runtime.checkpoints import load_draft
 from paradraft.runtime.correction import MAX_K, RuleParams
 from paradraft.runtime.model import (
     ModelConfig,
@@ -54,6 +54,7 @@ from paradraft.runtime.model import (
     load_model,
     new_kv_cache,
 )
+from paradraft.runtime.tools.calibrate import calibrate, calibration_prompts
 
 OPSET = 17
 DRAFT_PRECISIONS = ("int8", "float32")
@@ -579,27 +580,11 @@ class DraftPrecisionWarning(UserWarning):
     """An int8 drafting graph drifted past its tolerance and was built in float32."""
 
 
-def _tokenizer_vocab(model_dir: Path) -> dict | None:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    t = json.loads(path.read_text())
-    return {"model.vocab": (t.get("model") or {}).get("vocab"),
-            "added_tokens": [(a.get("id"), a.get("content")) for a in t.get("added_tokens", [])]}
-
-
-def check_draft(verifier_dir: Path, verifier: ModelConfig, draft_dir: Path,
-                draft: ModelConfig, name: str) -> None:
-    """Refuse a draft that does not speak the verifier's vocabulary (naming what differs)."""
-    if draft.vocab_size != verifier.vocab_size:
-        raise ValueError(f"{name} {draft_dir}: vocab_size {draft.vocab_size} differs from the "
-                         f"verifier's {verifier.vocab_size} ({verifier_dir})")
-    ours, theirs = _tokenizer_vocab(verifier_dir), _tokenizer_vocab(draft_dir)
-    if ours is not None and theirs is not None:
-        for key in ours:
-            if ours[key] != theirs[key]:
-                raise ValueError(f"{name} {draft_dir}: tokenizer.json {key} differs from the "
-                                 f"verifier's ({verifier_dir / 'tokenizer.json'})")
+def logit_gap(a: Tensor, b: Tensor) -> float:
+    """Max abs difference of two logit tensors; equal infinities (a padded vocabulary's −inf,
+    ``pad_vocab``) count as no difference, any other mismatch of infinities as infinite."""
+    same = (a == b) | (a.isinf() & b.isinf() & (a.sign() == b.sign()))
+    return float(torch.where(same, 0.0, (a - b).abs()).max())
 
 
 def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
@@ -626,9 +611,9 @@ def check_graph(model: Transformer, path: Path, num_layers: int | None = None,
             logits, _ = m(step_tokens, step_pos, cache, kv_len=9, rows=rows,
                           num_layers=num_layers)
         outs.append(logits)
-    diff = float((outs[0] - outs[1]).abs().max())
+    diff = logit_gap(outs[0], outs[1])
     if relative:
-        tol *= float(outs[0].std())
+        tol *= float(outs[0][outs[0].isfinite()].std())
     if not diff <= tol:
         raise GraphMismatch(path, f"ONNX logits differ from torch by {diff:g} (> {tol:g})")
     return diff
@@ -669,13 +654,17 @@ def check_draft_steps(model: Transformer, path: Path, k: int, num_layers: int | 
     kv_diff = max(float((t - o).abs().max()) for t, o in kv)
     gap_tol, kv_tol = tol, tol
     if relative:
-        gap_tol *= float(steps.std())
+        gap_tol *= float(steps[steps.isfinite()].std())
         kv_tol *= max(float(t.std()) for t, _ in kv)
     if not (gap <= gap_tol and kv_diff <= kv_tol):
         raise GraphMismatch(path, f"fused drafts trail torch's argmax by {gap:g} (> "
                                   f"{gap_tol:g}?) or its K/V differ by {kv_diff:g} (> "
                                   f"{kv_tol:g}?)")
     return gap
+
+
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                    "generation_config.json")
 
 
 # -- the build ----------------------------------------------------------------------------
@@ -751,6 +740,7 @@ def build_engines(
     draft_precision: str = "int8",
     fused_drafts: bool = True,
     weights_dtype: str = "float32",
+    calibrate_rules: bool = True,
 ) -> dict:
     """Export the verifier (+ correction and self-draft variants) and the drafts to
     ``out_dir`` and write its manifest.json. Returns the manifest.
@@ -765,7 +755,9 @@ def build_engines(
     k-step greedy draft graphs (k = 2 … max_k) of the autoregressive drafters, the draft
     model and the self-draft (roles ``draft_steps<k>`` / ``self_draft_steps<k>``): one ONNX
     Runtime call drafts a whole block, where k single steps cost k calls. TensorRT plans
-    are built from the step graphs only."""
+    are built from the step graphs only. ``calibrate_rules``: measure the verifier's confidence
+    and store rule defaults calibrated to it (``runtime.tools.calibrate``) as the manifest's
+    ``calibration``."""
     if dtype != "float32":
         raise ValueError(f"dtype must be float32 for the onnx backend (CPU); got {dtype!r}")
     if draft_precision not in DRAFT_PRECISIONS:
@@ -788,12 +780,14 @@ def build_engines(
         if d is None:
             continue
         d = Path(d)
-        draft = load_model(d)
-        check_draft(verifier_dir, vc, d, draft.config, name)
+        # checked against the verifier's tokenizer; widened where padded to another size
+        draft = load_draft(d, verifier_dir, vc.vocab_size, name=name)
         if name == "parallel_draft" and draft.config.mask_token_id is None:
             raise ValueError(f"parallel_draft {d}: config.json has no mask_token_id")
         drafts[name] = (d, draft)
 
+    calibration = calibrate(verifier, calibration_prompts(verifier_dir, vc.vocab_size)
+                            ).to_dict() if calibrate_rules else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     models: dict[str, dict] = {}
@@ -832,7 +826,10 @@ def build_engines(
     tokenizer = None
     if (verifier_dir / "tokenizer.json").is_file():
         tokenizer = "tokenizer.json"
-        shutil.copyfile(verifier_dir / "tokenizer.json", out / tokenizer)
+        # with the files the chat template and its special tokens live in
+        for name in ("tokenizer.json", *TOKENIZER_EXTRAS):
+            if (verifier_dir / name).is_file():
+                shutil.copyfile(verifier_dir / name, out / name)
     drafters = {"self": "verifier"}
     if "draft" in drafts:
         drafters["model"] = "draft"
@@ -849,6 +846,7 @@ def build_engines(
                    "max_seq_len": max_seq_len},
         "tokenizer": tokenizer,
         "rule_defaults": asdict(rule_defaults),
+        "calibration": calibration,
         "custom_ops": {OP_TYPE: {"domain": DOMAIN, "plugin_version": PLUGIN_VERSION,
                                  "plugin_namespace": DOMAIN}},
         "models": models,

@@ -243,3 +243,25 @@ def test_a_checkpoint_without_a_chat_template_is_refused(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     with pytest.raises(ValueError, match="no system role"):
         format_chat(tmp_path, [{"role": "user", "content": "t1"}])
+
+
+def test_padded_pair_builds_into_engines_that_stay_lossless(padded_pair, tmp_path):
+    """The ONNX engines of a padded pair: the draft graphs carry the verifier's vocabulary
+    with −inf past the real ids, and greedy output still equals transformers'."""
+    pytest.importorskip("onnxruntime")
+    from paradraft.build.onnx import build_engines
+    from paradraft.runtime.backends.loader import load_engines
+
+    vdir, ddir, hf = padded_pair
+    manifest = build_engines(vdir, tmp_path, ddir, max_k=4, draft_precision="float32")
+    assert manifest["models"]["draft"]["config"]["vocab_size"] == 64
+    # rule defaults calibrated to this verifier travel with the engines
+    assert 0 < manifest["calibration"]["tau"] < 1 and manifest["calibration"]["positions"] > 0
+    verifier, drafters, _, _ = load_engines(tmp_path)
+    prompts = [[5, 9, 14], [7, 3, 2, 8, 1]]
+    for kind in ("model", "self"):
+        dec = SpeculativeDecoder(verifier, drafters[kind], RuleParams("greedy"), k=4,
+                                 max_batch_size=2)
+        result = dec.generate(prompts, 16)
+        assert result.token_ids == [hf_greedy(hf, p, 16, eos=[]) for p in prompts], kind
+        assert result.stats.accepted_tokens > 0

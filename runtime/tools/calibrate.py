@@ -19,10 +19,12 @@ each generated position we record its top-1 probability p1, runner-up p2 and ent
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..checkpoints import load_tokenizer
 from ..correction import RuleParams, check_range
 from ..model import new_kv_cache
 from ..speculative import SpeculativeDecoder
@@ -96,10 +98,26 @@ def calibrate(verifier, prompts: list[list[int]], new_tokens: int = 32, quantile
         alpha=alpha, quantile=quantile, positions=int(p1.numel()))
 
 
+# generic openings (prose, code, data) for a checkpoint with a tokenizer: the verifier's own
+# continuations, which calibration measures, matter more than the prompt
+CALIBRATION_TEXTS = (
+    "The history of the city begins in", "def parse_config(path):\n", "import numpy as np\n",
+    "Once upon a time, there was a", "SELECT name, count(*) FROM users", "Q: What is the",
+    "class Node:\n    def __init__(self", "The results of the experiment show that")
+
+
 def default_prompts(vocab_size: int, n: int = 8, length: int = 16, seed: int = 0
                     ) -> list[list[int]]:
-    """Prompts for a checkpoint that ships no held-out text: random ids (the verifier's own
-    continuations, which calibration measures, matter more than the prompt)."""
+    """Prompts for a checkpoint without a tokenizer: random ids."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (n, length), generator=g).tolist()
+
+
+def calibration_prompts(model_dir: str | Path, vocab_size: int) -> list[list[int]]:
+    """``CALIBRATION_TEXTS`` through the checkpoint's tokenizer, else ``default_prompts``."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return default_prompts(vocab_size)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(t).ids for t in CALIBRATION_TEXTS]
+    return [p for p in prompts if p and max(p) < vocab_size] or default_prompts(vocab_size)
 
