@@ -56,3 +56,20 @@ def test_the_calibrated_threshold_accepts_more_than_a_fixed_tau_that_is_too_high
                                  RuleParams("threshold", tau=tau), k=4, max_batch_size=4)
         rates.append(dec.generate(prompts, 24).stats.acceptance_rate)
     assert rates[1] > rates[0]
+
+
+def test_an_unset_rule_parameter_takes_the_engines_calibrated_default():
+    import argparse
+
+    from paradraft.cli.common import add_rule_args, rule_params
+
+    p = argparse.ArgumentParser()
+    add_rule_args(p)
+    cal = {"tau": 0.05, "dynamic_tau": 0.03, "gamma": 0.6, "alpha": 0.1, "quantile": 0.2,
+           "positions": 10}
+    assert rule_params(p.parse_args(["--rule", "threshold"]), cal).tau == 0.05
+    assert rule_params(p.parse_args(["--rule", "dynamic"]), cal).tau == 0.03
+    assert rule_params(p.parse_args(["--rule", "ratio"]), cal).gamma == 0.6
+    # an explicit flag wins; without engines (no calibration) the fixed defaults hold
+    assert rule_params(p.parse_args(["--rule", "threshold", "--tau", "0.3"]), cal).tau == 0.3
+    assert rule_params(p.parse_args(["--rule", "threshold"])).tau == RuleParams().tau

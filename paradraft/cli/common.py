@@ -19,6 +19,7 @@ from paradraft.runtime.checkpoints import (
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer
+from paradraft.runtime.tools.calibrate import Calibration
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
@@ -35,11 +36,15 @@ def device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtyp
     return device, resolve_dtype(args.verifier, device, args.dtype)
 
 
-def rule_params(args: argparse.Namespace) -> RuleParams:
+def rule_params(args: argparse.Namespace, calibration: dict | None = None) -> RuleParams:
+    """The rule of the flags. A rule parameter left unset takes the engine's calibrated
+    default for that rule (``calibration``: the manifest's), else RuleParams' fixed one."""
+    calibrated = Calibration(**calibration).params_for(args.rule) if calibration else {}
+    tuned = {name: getattr(args, name) if getattr(args, name) is not None else calibrated.get(
+        name, getattr(RuleParams, name)) for name in ("tau", "gamma", "alpha")}
     return RuleParams(
-        rule=args.rule, temperature=args.temperature, top_p=args.top_p, tau=args.tau,
-        gamma=args.gamma, alpha=args.alpha, top_p_membership=args.top_p_membership,
-        epsilon=args.epsilon, delta=args.delta,
+        rule=args.rule, temperature=args.temperature, top_p=args.top_p, **tuned,
+        top_p_membership=args.top_p_membership, epsilon=args.epsilon, delta=args.delta,
     )
 
 
@@ -59,9 +64,13 @@ def add_rule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rule", choices=RULES, default="greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--tau", type=float, default=0.3, help="threshold τ / dynamic τ_base")
-    p.add_argument("--gamma", type=float, default=1.0, help="ratio rule γ")
-    p.add_argument("--alpha", type=float, default=0.1, help="dynamic rule α")
+    # unset: the engine dir's calibrated default for the rule, else the fixed one
+    p.add_argument("--tau", type=float, default=None,
+                   help="threshold τ / dynamic τ_base (default: calibrated with --engines, "
+                        "else 0.3)")
+    p.add_argument("--gamma", type=float, default=None,
+                   help="ratio rule γ (default: calibrated with --engines, else 1.0)")
+    p.add_argument("--alpha", type=float, default=None, help="dynamic rule α (default 0.1)")
     p.add_argument("--top-p-membership", action="store_true", help="dynamic rule top-p test")
     p.add_argument("--epsilon", type=float, default=0.09, help="typical rule ε")
     p.add_argument("--delta", type=float, default=0.3, help="typical rule δ")

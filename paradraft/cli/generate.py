@@ -71,9 +71,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
                   ) -> tuple[SpeculativeDecoder, Transformer]:
     if args.engines:
-        verifier, drafter = engine_models(args, max_batch_size, max_seq_len)
+        verifier, drafter, manifest = engine_models(args, max_batch_size, max_seq_len)
         return SpeculativeDecoder(
-            verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
+            verifier, drafter, rule_params(args, manifest.get("calibration")), k=args.k,
+            adaptive_k=args.adaptive_k,
             audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
         ), verifier
@@ -97,7 +98,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 
 
 def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
-                  ) -> tuple[object, AnyDrafter | None]:
+                  ) -> tuple[object, AnyDrafter | None, dict]:
     """The verifier engine and the requested drafter from ``--engines`` (ONNX Runtime)."""
     if args.dtype not in (None, "float32"):
         raise ValueError(f"dtype must be float32 with --engines (fp32 engines); got {args.dtype}")
@@ -112,11 +113,11 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     k = 0 if args.no_speculation else args.k
     check_engine_limits(manifest, max_batch_size, max_seq_len, k)
     if args.no_speculation:
-        return verifier, None
+        return verifier, None, manifest
     if args.drafter not in drafters:
         raise ValueError(f"drafter {args.drafter!r} was not built into {args.engines}; "
                          f"built: {', '.join(sorted(drafters))}")
-    return verifier, drafters[args.drafter]
+    return verifier, drafters[args.drafter], manifest
 
 
 def run(args: argparse.Namespace) -> None:
