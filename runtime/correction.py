@@ -15,12 +15,18 @@ Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
 Distributions: ``exact`` compares the temperature + top-p distribution the baseline samples
 from (that is what makes it lossless). The heuristic rules (``threshold``, ``ratio``,
 ``dynamic``) and Medusa typical acceptance (``typical``) test the plain verifier softmax, and
-sample their correction with temperature + top-p.
+sample their correction with temperature + top-p. The top-p set is found without a sort
+(``top_p_floor``); tokens of equal probability are all in it or all out.
+
+Cost: ``greedy`` is an argmax per position and a compare, nothing else. The other rules make
+one softmax per position (the stop position reuses it where the distribution is the same),
+the entropy only for ``dynamic`` and ``typical``, and the top-p set only where it is used.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,22 +155,73 @@ def row_randoms(streams: RowStreams, k: int, vocab: int) -> Randoms:
                    sample_noise=streams.exponential(STREAM_SAMPLE, (vocab,)))
 
 
+RADIX_BITS = 10  # a float32 in [0, 1] has 30 bits below its sign and top exponent bit
+
+
+def top_p_floor(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """The top-p set (nucleus) of each row of ``probs`` (distributions over the last dim),
+    without a sort. Returns (floor, mass), both [..., 1]: the nucleus is the tokens whose
+    probability's float32 bit pattern read as int32 is > floor (non-negative floats order
+    like their bit patterns), and mass is the probability it holds.
+
+    The definition, shared with the fused kernels: a token is in the nucleus iff the tokens
+    strictly more probable than it hold less than top_p. That is the smallest set of most
+    probable tokens whose mass reaches top_p, with tokens of equal probability all in or all
+    out (a sort would have to order them, and where it cut them would depend on that order).
+
+    A radix select finds the nucleus' least probable bit pattern: three rounds, each a
+    histogram of the next 10 bits of the tokens in the range the rounds before left, keep the
+    lowest bin whose mass strictly above is < top_p. Three scatter-add passes over the rows,
+    for any distribution; the kernels bisect the same bit patterns, one bit per pass."""
+    p = probs.float().contiguous()
+    bits = p.view(torch.int32)
+    lead, width = p.shape[:-1], 1 << RADIX_BITS
+    hists = p.new_zeros(3, *lead, 2 * width)
+    start = bits.new_zeros(*lead, 1)  # the range left: the prefix of its bit patterns
+    above = p.new_zeros(*lead, 1)  # the mass above the range
+    prefix = None
+    for level, shift in enumerate((2 * RADIX_BITS, RADIX_BITS, 0)):
+        hist = hists[level]
+        fine = bits >> shift if shift else bits
+        if prefix is None:  # the first round: the top bits, < 1017 (p <= 1)
+            index = fine
+        else:
+            # tokens outside the range go to bins width.. by their own bits (piled into one
+            # bin, the adds would each wait on the one before): + width where prefix != start
+            index = (prefix ^ start).clamp_(max=1).mul_(width).add_(fine & (width - 1))
+        cum = hist.scatter_add_(-1, index.long(), p)[..., :width].cumsum(-1)
+        top = above + cum[..., -1:]  # the mass from the range's bottom up
+        # skip the bins whose mass strictly above reaches top_p: they hold no member. At most
+        # width - 1 of them, so float rounding can't move the boundary out of the range
+        skip = (cum[..., : width - 1] <= top - top_p).sum(-1, keepdim=True)
+        above = top - cum.gather(-1, skip)
+        start = (start << RADIX_BITS) + skip.int()
+        prefix = fine
+    return start - 1, above + hist.gather(-1, skip)
+
+
 def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
-    """Boolean mask of the smallest set of tokens whose mass reaches top_p (nucleus)."""
+    """Boolean mask of the nucleus of ``probs`` (distributions over the last dim): the tokens
+    whose strictly more probable tokens hold less than top_p (``top_p_floor``)."""
     if top_p >= 1.0:
         return torch.ones_like(probs, dtype=torch.bool)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = mass_before < top_p  # the top token always stays (mass_before = 0)
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    floor, _ = top_p_floor(probs, top_p)
+    return probs.float().contiguous().view(torch.int32) > floor
+
+
+def softmax_at(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / T) in float32; float32 logits are not copied at T = 1."""
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     """The distribution plain decoding samples from: softmax(logits / T) cut to top-p."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = softmax_at(logits, temperature)
     if top_p < 1.0:
-        probs = probs * top_p_mask(probs, top_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        floor, mass = top_p_floor(probs, top_p)
+        probs.mul_(probs.view(torch.int32) > floor).div_(mass)
     return probs
 
 
@@ -179,47 +236,168 @@ def check_randoms(params: RuleParams, randoms: Randoms | None) -> None:
         raise ValueError(f"rule {params.rule!r} samples: it needs random numbers (Randoms)")
 
 
+BLOCK_ELEMENTS = 1 << 20
+
+
+def row_blocks(rows: int, row_elements: int, device: torch.device) -> list[slice]:
+    """Slices of ``rows`` whose float32 temporaries hold at most BLOCK_ELEMENTS (4 MB) on the
+    CPU: glibc maps a buffer over 32 MB afresh for every call, and faulting its pages in costs
+    more than the arithmetic on it, while smaller ones reuse the heap. One slice on an
+    accelerator, whose caching allocator keeps its memory."""
+    if torch.device(device).type != "cpu":
+        return [slice(0, rows)]
+    step = max(1, BLOCK_ELEMENTS // max(row_elements, 1))
+    return [slice(i, i + step) for i in range(0, max(rows, 1), step)]
+
+
+def by_row_blocks(fn: Callable[..., tuple[Tensor, ...]], row_elements: int,
+                  *tensors: Tensor | None) -> tuple[Tensor, ...]:
+    """fn over the row blocks (``row_blocks``) of tensors that share dim 0 (None passes
+    through), each of its results concatenated over the blocks."""
+    first = next(t for t in tensors if t is not None)
+    parts = [fn(*(t if t is None else t[rows] for t in tensors))
+             for rows in row_blocks(first.shape[0], row_elements, first.device)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+
+def mass_above(probs: Tensor, p: Tensor) -> Tensor:
+    """For each row of ``probs`` [..., V], the mass of the tokens more probable than p [...]:
+    whether p's token is in the nucleus, without finding the nucleus (mass_above < top_p)."""
+    return (probs * (probs > p[..., None])).sum(-1)
+
+
 def acceptance_mask(
     logits: Tensor,
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     params: RuleParams,
     accept_uniforms: Tensor | None,
+    probs: Tensor | None = None,
+    nucleus: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """[B, K] whether each draft token passes the rule on its own (before the prefix scan)."""
+    """[B, K] whether each draft token passes the rule on its own (before the prefix scan).
+
+    logits [B, K, V] at the draft positions. probs: the distribution the rule tests there,
+    if already computed (``exact``: softmax(logits / T); the others: softmax(logits)), and
+    for ``exact`` with top-p its nucleus (``top_p_floor``)."""
     d = draft_tokens[..., None]
     if params.rule == "greedy":
         return logits.argmax(-1) == draft_tokens
-    if params.rule == "exact":
+    if params.rule == "ratio":
+        # p(d) / p(best alternative) = exp(x_d − x_alt): the logits alone decide
+        best_alt = logits.scatter(-1, d, float("-inf")).amax(-1)
+        return logits.gather(-1, d)[..., 0].float() - best_alt.float() >= math.log(params.gamma)
+    exact = params.rule == "exact"
+    if probs is None:
+        probs = softmax_at(logits, params.temperature if exact else 1.0)
+    p_draft = probs.gather(-1, d)[..., 0]
+    if exact:
         if accept_uniforms is None:
             raise ValueError("rule 'exact' samples: it needs random numbers (Randoms)")
-        p_draft = sampling_probs(logits, params.temperature, params.top_p).gather(-1, d)[..., 0]
+        if params.top_p < 1.0:
+            floor, mass = top_p_floor(probs, params.top_p) if nucleus is None else nucleus
+            inside = p_draft.view(torch.int32) > floor[..., 0]
+            p_draft = torch.where(inside, p_draft / mass[..., 0], 0.0)
         q_draft = 1.0 if draft_probs is None else draft_probs.gather(-1, d)[..., 0]
         # accept with probability min(1, p/q), written without a division
         return accept_uniforms * q_draft < p_draft
-    # the heuristic rules work in logit space: log p(d) = x_d − logsumexp(x), and the
-    # ratio p(d) / p(alt) = exp(x_d − x_alt), so no [B, K, V] softmax is materialised for them
-    x = logits.float()
-    x_draft = x.gather(-1, d)[..., 0]
-    if params.rule == "ratio":
-        top2, top2_ids = x.topk(2, dim=-1)
-        best_alt = torch.where(top2_ids[..., 0] == draft_tokens, top2[..., 1], top2[..., 0])
-        return x_draft - best_alt >= math.log(params.gamma)
-    lse = x.logsumexp(-1)
-    p_draft = (x_draft - lse).exp()
     if params.rule == "threshold":
         return p_draft > params.tau
-    probs = (x - lse[..., None]).exp()
-    # entropy −Σ p log p = lse − Σ p x; tokens with p = 0 (x = −inf, e.g. a masked vocab)
-    # contribute 0, not 0·(−inf) = NaN
-    h = lse - torch.where(probs > 0, probs * x, 0.0).sum(-1)
+    # entropy −Σ p log p = lse − Σ p·x, with lse = max x − log max p (the top token's p is
+    # 1 / Σ exp(x − max x)). Tokens with p = 0 and x = −inf (a masked vocabulary) make
+    # 0·(−inf) = NaN terms: nansum leaves them out, as their 0 contribution
+    lse = logits.amax(-1).float() - probs.amax(-1).log()
+    h = lse - (probs * logits).nansum(-1)
     if params.rule == "dynamic":
         accept = p_draft > params.tau * (1.0 + params.alpha * h)
-        if params.top_p_membership:
-            accept &= top_p_mask(probs, params.top_p).gather(-1, d)[..., 0]
+        if params.top_p_membership and params.top_p < 1.0:
+            accept &= mass_above(probs, p_draft) < params.top_p
         return accept
     # typical (Medusa): p > min(ε, δ · exp(−H))
     return p_draft > torch.clamp(params.delta * torch.exp(-h), max=params.epsilon)
+
+
+def accepted_length(accept: Tensor, num_drafted: Tensor | None = None) -> Tensor:
+    """[B] the accepted prefix of each row of accept [B, K]; positions at or past
+    num_drafted [B] count as rejected."""
+    if num_drafted is not None:
+        positions = torch.arange(accept.shape[1], device=accept.device)
+        accept = accept & (positions < num_drafted[:, None])
+    return accept.long().cumprod(-1).sum(-1)
+
+
+def correct_greedy(target_logits: Tensor, draft_tokens: Tensor,
+                   num_drafted: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``correct`` for the greedy rule: an argmax per position and a compare."""
+    B, K = draft_tokens.shape
+    if K == 0:  # plain greedy decoding: the argmax of the last logits
+        return (torch.zeros(B, dtype=torch.long, device=target_logits.device),
+                target_logits[:, 0].argmax(-1))
+    target = target_logits.argmax(-1)  # [B, K+1]: the test and the next token
+    num_accepted = accepted_length(target[:, :K] == draft_tokens, num_drafted)
+    return num_accepted, target.gather(1, num_accepted[:, None])[:, 0]
+
+
+def correct_sampled(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    accept_uniforms: Tensor,
+    sample_noise: Tensor,
+    num_drafted: Tensor | None,
+    params: RuleParams,
+) -> tuple[Tensor, Tensor]:
+    """``correct`` for the rules that sample, on rows that fit one block (``row_blocks``)."""
+    B, K = draft_tokens.shape
+    rows = torch.arange(B, device=draft_tokens.device)
+    T, top_p, exact = params.temperature, params.top_p, params.rule == "exact"
+    probs = nucleus = None
+    if K == 0:  # plain sampling from position 0
+        num_accepted = torch.zeros(B, dtype=torch.long, device=draft_tokens.device)
+    else:
+        # exact tests the distribution it samples; the other rules test the plain softmax,
+        # the sampled one too at T = 1. Then one softmax (and nucleus) over the K+1 positions
+        # serves the test and the stop position; the ratio rule tests the logits alone
+        shared = exact or T == 1.0
+        if params.rule != "ratio":
+            probs = softmax_at(target_logits[:, : K + shared], T if exact else 1.0)
+            if exact and top_p < 1.0:
+                nucleus = top_p_floor(probs, top_p)
+        accept = acceptance_mask(
+            target_logits[:, :K], draft_tokens, draft_probs, params, accept_uniforms,
+            None if probs is None else probs[:, :K],
+            None if nucleus is None else (nucleus[0][:, :K], nucleus[1][:, :K]))
+        num_accepted = accepted_length(accept, num_drafted)
+        probs = probs if shared else None
+
+    # the token at the stop position: from the temperature + top-p distribution p
+    if probs is None:
+        stop_logits = target_logits[:, 0] if K == 0 else target_logits[rows, num_accepted]
+        probs = softmax_at(stop_logits, T)
+    else:
+        probs = probs[rows, num_accepted]
+        if nucleus is not None:
+            nucleus = nucleus[0][rows, num_accepted], nucleus[1][rows, num_accepted]
+    if top_p < 1.0:
+        floor, mass = top_p_floor(probs, top_p) if nucleus is None else nucleus
+        probs.mul_(probs.view(torch.int32) > floor)
+        if exact and K:  # the residual below needs p normalised (a race alone does not)
+            probs.div_(mass)
+    if not exact or K == 0:
+        return num_accepted, sample(probs, sample_noise)
+    # exact: rejected rows draw from norm(max(p − q, 0)); rows past their drafts take the bonus
+    stop = num_accepted.clamp(max=K - 1)
+    if draft_probs is None:  # one-hot q: the residual is p without the rejected token
+        residual = probs.scatter(-1, draft_tokens[rows, stop, None], 0.0)
+    else:
+        residual = (probs - draft_probs[rows, stop]).clamp_(min=0.0)
+    score = residual.div_(sample_noise)
+    from_residual = score.argmax(-1)
+    # p == q leaves no residual mass; such a row was accepted with probability 1 anyway
+    has_mass = score.gather(1, from_residual[:, None])[:, 0] > 0
+    rejected = num_accepted < (K if num_drafted is None else num_drafted)
+    return num_accepted, torch.where(rejected & has_mass, from_residual,
+                                     sample(probs, sample_noise))
 
 
 def correct(
@@ -239,39 +417,11 @@ def correct(
     K = 0 is plain decoding: the next token comes from position 0.
     """
     check_randoms(params, randoms)
-    K = draft_tokens.shape[1]
-    positions = torch.arange(K, device=draft_tokens.device)
-    if params.rule == "greedy":  # one argmax over every position serves both questions
-        target_tokens = target_logits.argmax(-1)  # [B, K+1]
-        accept = target_tokens[:, :K] == draft_tokens
-    else:
-        accept = acceptance_mask(
-            target_logits[:, :K], draft_tokens, draft_probs, params,
-            None if randoms is None else randoms.accept_uniforms,
-        )
-    if num_drafted is not None:
-        accept &= positions < num_drafted[:, None]
-    num_accepted = accept.long().cumprod(-1).sum(-1)
-    if params.rule == "greedy":
-        return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]
-
-    stop_logits = target_logits.gather(
-        1, num_accepted[:, None, None].expand(-1, 1, target_logits.shape[-1])
-    )[:, 0]
-    probs = sampling_probs(stop_logits, params.temperature, params.top_p)
-    if params.rule == "exact" and K > 0:
-        # rejected rows draw from norm(max(p - q, 0)); rows past their drafts take the bonus
-        stop = num_accepted.clamp(max=K - 1)
-        if draft_probs is None:
-            q = torch.nn.functional.one_hot(
-                draft_tokens.gather(1, stop[:, None])[:, 0], probs.shape[-1]
-            ).to(probs.dtype)
-        else:
-            q = draft_probs.gather(1, stop[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0]
-        residual = (probs - q).clamp(min=0)
-        # p == q leaves no residual mass; such a row was accepted with probability 1 anyway
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-        limit = K if num_drafted is None else num_drafted
-        rejected = num_accepted < limit
-        probs = torch.where(rejected[:, None], residual, probs)
-    return num_accepted, sample(probs, randoms.sample_noise)
+    if params.is_greedy:
+        return correct_greedy(target_logits, draft_tokens, num_drafted)
+    # rows are independent: on the CPU they go in blocks that keep temporaries small
+    num_accepted, next_token = by_row_blocks(
+        lambda *tensors: correct_sampled(*tensors, params), math.prod(target_logits.shape[1:]),
+        target_logits, draft_tokens, draft_probs, randoms.accept_uniforms,
+        randoms.sample_noise, num_drafted)
+    return num_accepted, next_token

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from paradraft.runtime import correction
 from paradraft.runtime.correction import (
     RULES,
     Randoms,
@@ -15,6 +16,7 @@ from paradraft.runtime.correction import (
     exponential_noise,
     sample,
     sampling_probs,
+    top_p_floor,
     top_p_mask,
 )
 
@@ -234,3 +236,84 @@ def test_exponential_race_with_the_noise_samples_the_distribution():
     freq = torch.bincount(sample(probs.expand(n, -1), noise), minlength=4).double() / n
     # 4 standard errors of a binomial proportion
     assert torch.all((freq - probs.double()).abs() < 4 * (probs * (1 - probs) / n).sqrt())
+
+
+def nucleus_by_definition(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, mass strictly above each token) straight from the definition, in float64: a
+    token is in iff the strictly more probable tokens hold < top_p."""
+    p = probs.double()
+    above = (p[..., None, :] * (probs[..., None, :] > probs[..., :, None])).sum(-1)
+    return above < top_p, above
+
+
+def test_top_p_without_a_sort_is_the_nucleus_by_definition():
+    # ties (integer logits), masked tokens (p = 0), flat and peaked rows, any top_p: the radix
+    # select keeps exactly the tokens the definition keeps, and reports their mass. Only a
+    # token whose mass above lies within float32 rounding of top_p may go either way
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        V = int(torch.randint(2, 400, (1,), generator=g))
+        x = torch.randn(6, V, generator=g) * float(torch.rand(1, generator=g) * 8)
+        if trial % 3 == 0:
+            x = x.round()
+        if trial % 5 == 0:
+            x[:, : V // 3] = float("-inf")
+        probs = torch.softmax(x, -1)
+        top_p = float(torch.rand(1, generator=g)) * 0.99 + 0.005
+        want, above = nucleus_by_definition(probs, top_p)
+        got = top_p_mask(probs, top_p)
+        assert ((got == want) | ((above - top_p).abs() < 1e-6)).all(), trial
+        floor, mass = top_p_floor(probs, top_p)
+        assert torch.equal(got, probs.view(torch.int32) > floor)
+        assert torch.allclose(mass[:, 0].double(), (probs.double() * got).sum(-1), atol=1e-6)
+        assert got.any(-1).all()  # never empty: the top token's mass above is 0
+
+
+def test_top_p_ties_are_all_in_or_all_out():
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    # the three tokens at 0.2 each have 0.4 above them: all in for top_p > 0.4 (a sort would
+    # have kept the one its order put first, and the set would depend on that order) ...
+    assert top_p_mask(probs, 0.45).tolist() == [True, True, True, True]
+    # ... and all out for top_p < 0.4, where the top token alone reaches it
+    assert top_p_mask(probs, 0.35).tolist() == [True, False, False, False]
+    sp = sampling_probs(probs.log(), temperature=1.0, top_p=0.45)
+    assert torch.allclose(sp, probs)
+    # any leading dims; without ties the smallest set of most probable tokens reaching top_p
+    p = torch.tensor([[[0.05, 0.3, 0.15, 0.5]]])
+    assert top_p_mask(p, 0.85).tolist() == [[[False, True, True, True]]]
+    assert top_p_mask(p, 0.75).tolist() == [[[False, True, False, True]]]
+
+
+def test_greedy_computes_no_probabilities(monkeypatch):
+    """A greedy round is an argmax and a compare (plain greedy: one argmax)."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("greedy computed probabilities")
+
+    for name in ("softmax", "log_softmax", "logsumexp", "exp"):
+        monkeypatch.setattr(torch, name, forbidden)
+    monkeypatch.setattr(torch.Tensor, "softmax", forbidden)
+    assert run("greedy") == (0, 0)
+    n, t = correct(LOGITS[:, :1], DRAFT[:, :0], None, RuleParams("greedy"), None)
+    assert (int(n), int(t)) == (0, 0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_row_blocks_give_the_same_result(rule, monkeypatch):
+    # on the CPU rows go through correct() in blocks that keep temporaries small: blocks of
+    # one and of two rows give what one block of all rows gives
+    g = torch.Generator().manual_seed(5)
+    B, K, V = 7, 3, 64
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(B, K)
+    rnd = Randoms(torch.rand(B, K, generator=g), exponential_noise((B, V), g))
+    num_drafted = torch.tensor([3, 2, 3, 0, 1, 3, 3])
+    for kw in ({"temperature": 0.7, "top_p": 0.8, "top_p_membership": True}, {}):
+        params = RuleParams(rule, tau=0.05, **kw)
+        want = correct(logits, drafts, q, params, rnd, num_drafted)
+        for rows in (1, 2):
+            monkeypatch.setattr(correction, "BLOCK_ELEMENTS", rows * (K + 1) * V)
+            got = correct(logits, drafts, q, params, rnd, num_drafted)
+            assert [t.tolist() for t in got] == [t.tolist() for t in want]
+            assert len(correction.row_blocks(B, (K + 1) * V, logits.device)) == -(-B // rows)
+        monkeypatch.undo()

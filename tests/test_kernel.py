@@ -73,6 +73,25 @@ def test_kernel_top_p_and_temperature(rule):
     assert_same(params, B=3, K=3, V=200, block_v=128, seed=3, with_q=rule != "greedy")
 
 
+@pytest.mark.parametrize("rule", ["exact", "dynamic"])
+def test_kernel_top_p_keeps_or_drops_tied_tokens_together(rule):
+    # integer logits: every probability is shared by a few dozen tokens, so the nucleus edge
+    # always falls between tie groups, which a sort would cut wherever its order put them;
+    # the kernels' bisection and correction.top_p_floor keep or drop each group whole (in
+    # exact's draft positions, dynamic's membership test and every stop position)
+    B, K, V = 3, 2, 120
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randint(-3, 3, (B, K + 1, V), generator=g).float()
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    q = torch.softmax(torch.randint(-3, 3, (B, K, V), generator=g).float(), -1)
+    randoms = draw_randoms(B, K, V, g)
+    for top_p in (0.4, 0.8):
+        params = RuleParams(rule, top_p=top_p, top_p_membership=True, tau=0.0)
+        want = correct(logits, drafts, q, params, randoms)
+        got = ck.correct_fused(logits, drafts, q, params, randoms, block_v=64)
+        assert (got[0].tolist(), got[1].tolist()) == (want[0].tolist(), want[1].tolist())
+
+
 @pytest.mark.parametrize("with_q", [True, False])
 def test_kernel_exact_samples_the_residual_after_a_rejection(with_q):
     # drafts drawn from a q close to p (or from p itself for a one-hot draft): rejected rows

@@ -3,9 +3,9 @@
 ``correct_fused`` has the signature, semantics and return values of ``correction.correct``
 (rules, temperature, top-p, Randoms, bonus token, per-row num_drafted): for the same inputs
 and random numbers it makes the same decisions, except where a comparison lands within
-float rounding of its threshold or tokens tie exactly in probability at the top-p edge (the
-kernels sum in tile order and torch in its own; on a GPU ``tl.exp`` is approximate and
-multiply-adds may be fused).
+float rounding of its threshold (the kernels sum in tile order and torch in its own; on a GPU
+``tl.exp`` is approximate and multiply-adds may be fused). Tokens that tie in probability at
+the top-p edge are kept or dropped together by both.
 
 What is fused (no [B, K+1, V] probabilities are materialised, no host sync):
 
@@ -23,12 +23,14 @@ What is fused (no [B, K+1, V] probabilities are materialised, no host sync):
   plugin compiles this one ahead of time (one kernel per plugin; ``compile_row_kernel``);
   ``correct_block_fused`` launches it from torch.
 
-Top-p < 1 is fused too, without a sort: the nucleus edge is found by a 32-step bisection on
-the order-preserving integer key of the float32 scaled logits (each step one pass summing the
-mass above the key), where it is needed: exact's draft positions, dynamic with
-top_p_membership, and the stop position of every sampling rule. That is 32 extra passes over
-those rows. Not fused: ``.contiguous()`` copies of inputs that are not contiguous, output
-allocation.
+Top-p < 1 is fused too, without a sort, with the nucleus of ``correction.top_p_floor`` (a
+token is in iff the strictly more probable tokens hold < top_p; equal probabilities are all in
+or all out): its least probable member is found by a 30-step bisection on the bit pattern of
+the unnormalised probabilities exp(y − m), which as non-negative floats order like their bits
+(each step one pass summing the mass above), where it is needed: exact's draft positions,
+dynamic with top_p_membership, and the stop position of every sampling rule. That is 30 extra
+passes over those rows. Not fused: ``.contiguous()`` copies of inputs that are not contiguous,
+output allocation.
 
 triton is optional (a dev dependency): this module imports without it, and the kernels are
 jitted on first use, so TRITON_INTERPRET=1 (the CPU interpreter the tests use) only has to be
@@ -51,7 +53,6 @@ from .engine_io import correction_inputs
 
 tl: Any = None  # triton.language, bound by _kernels() on first use (triton is optional)
 MAX_BLOCK_V = 1024
-KEEP_ALL = -(2**31) - 1  # a key below every float32 key: the whole vocabulary is kept
 
 
 # -- device helpers (plain functions, jitted by _kernels) ----------------------------------
@@ -65,11 +66,10 @@ def _tile(row, start, V, BLOCK_V: tl.constexpr):
     return offs, valid, x
 
 
-def _key(y):
-    """Order-preserving int64 key of float32 values. Bisecting on keys instead of values ends
-    on adjacent floats after 32 steps, whatever the scale of the logits."""
-    bits = y.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+def _bits(e):
+    """The int32 bit pattern of float32 values >= 0, which orders like the values: bisecting
+    on it ends on adjacent floats after 30 steps, whatever the scale of the logits."""
+    return e.to(tl.int32, bitcast=True)
 
 
 def _fold_argmax(best, idx, score, start):
@@ -116,20 +116,21 @@ def _softmax_stats(row, V, temperature, BLOCK_V: tl.constexpr):
 
 
 def _nucleus(row, V, temperature, m, s, top_p, BLOCK_V: tl.constexpr):
-    """Top-p without a sort. correction.top_p_mask keeps a token while the mass of the tokens
-    above it is < top_p; that mass only grows as the key falls, so bisect for the largest
-    key ``floor`` whose mass above still reaches top_p: the nucleus is key > floor. Returns
-    (floor, the nucleus mass Σ exp(y − m))."""
-    lo = tl.full([], -(2**31) - 1, tl.int64)  # mass above = everything >= top_p
-    hi = _key(m)  # mass above the top token = 0 < top_p
+    """Top-p without a sort (correction.top_p_floor): a token is in the nucleus iff the
+    tokens more probable than it hold < top_p of the mass. That mass only grows as the
+    probability e = exp(y − m) falls, so bisect for the largest bit pattern ``floor`` whose
+    mass above still reaches top_p: the nucleus is _bits(e) > floor. Returns (floor, the
+    nucleus mass Σ e)."""
+    lo = tl.full([], -1, tl.int32)  # below every pattern: mass above = everything >= top_p
+    hi = tl.full([], 0x3F800000, tl.int32)  # 1.0, the top token's e: mass above 0 < top_p
     kept = s
-    for _step in range(32):  # keys span < 2^32: lo and hi end adjacent
+    for _step in range(30):  # hi - lo < 2^30: they end adjacent
         mid = lo + (hi - lo) // 2
         above = tl.full([], 0.0, tl.float32)
         for start in range(0, V, BLOCK_V):
             _, _, x = _tile(row, start, V, BLOCK_V)
-            y = x / temperature
-            above += tl.sum(tl.where(_key(y) > mid, tl.exp(y - m), 0.0), 0)
+            e = tl.exp(x / temperature - m)
+            above += tl.sum(tl.where(_bits(e) > mid, e, 0.0), 0)
         inside = above < top_p * s  # every token above mid is in the nucleus
         hi = tl.where(inside, mid, hi)
         lo = tl.where(inside, lo, mid)
@@ -152,7 +153,7 @@ def _passes_rule(row, V, d, q_d, u, temperature, top_p, tau, log_gamma, alpha, e
         kept = s
         if NUCLEUS:
             floor, kept = _nucleus(row, V, temperature, m, s, top_p, BLOCK_V)
-            e_d = tl.where(_key(y_d) > floor, e_d, 0.0)
+            e_d = tl.where(_bits(e_d) > floor, e_d, 0.0)
         ok = u * q_d < e_d / kept
     else:  # the heuristic rules test the plain softmax
         m, s, t = _softmax_stats(row, V, 1.0, BLOCK_V)
@@ -165,7 +166,7 @@ def _passes_rule(row, V, d, q_d, u, temperature, top_p, tau, log_gamma, alpha, e
             ok = p_d > tau * (1.0 + alpha * h)
             if NUCLEUS:  # top_p_membership
                 floor, _ = _nucleus(row, V, 1.0, m, s, top_p, BLOCK_V)
-                ok = ok & (_key(x_d) > floor)
+                ok = ok & (_bits(tl.exp(x_d - m)) > floor)
         else:  # typical
             ok = p_d > tl.minimum(delta * tl.exp(-h), epsilon)
     return ok
@@ -183,7 +184,7 @@ def _next_token(row, V, noise_row, noise_width, q_row, d_stop, rejected, has_q, 
         tok = _argmax(row, V, BLOCK_V)
     else:
         m, s, _ = _softmax_stats(row, V, temperature, BLOCK_V)
-        floor = tl.full([], -(2**31) - 1, tl.int64)
+        floor = tl.full([], -1, tl.int32)  # the whole vocabulary
         kept = s
         if NUCLEUS:
             floor, kept = _nucleus(row, V, temperature, m, s, top_p, BLOCK_V)
@@ -199,7 +200,8 @@ def _next_token(row, V, noise_row, noise_width, q_row, d_stop, rejected, has_q, 
         for start in range(0, V, BLOCK_V):
             offs, valid, x = _tile(row, start, V, BLOCK_V)
             y = x / temperature
-            p = tl.where(_key(y) > floor, tl.exp(y - m), 0.0) / kept
+            e = tl.exp(y - m)
+            p = tl.where(_bits(e) > floor, e, 0.0) / kept
             noise = tl.load(noise_row + offs, mask=offs < noise_width, other=1.0)
             best_p, tok_p = _fold_argmax(best_p, tok_p, tl.where(valid, p / noise, -1.0), start)
             if RULE == "exact":
@@ -302,7 +304,7 @@ def _row_kernel(logits, drafts, q_probs, uniforms, noise, num_drafted,
         tl.store(accepted_tokens + b * (K + 1) + j, tl.where(j == n, tok, d_j))
 
 
-_JITTED = ("_tile", "_key", "_fold_argmax", "_argmax", "_max_except", "_softmax_stats",
+_JITTED = ("_tile", "_bits", "_fold_argmax", "_argmax", "_max_except", "_softmax_stats",
            "_nucleus", "_passes_rule", "_next_token", "_accept_kernel", "_sample_kernel",
            "_row_kernel")
 
