@@ -85,3 +85,145 @@ def test_the_triton_model_imports_only_the_protocol_and_the_scheduler():
     assert imported == {"paradraft.runtime.serving.protocol",
                         "paradraft.runtime.scheduler.QueueFull",
                         "paradraft.runtime.scheduler.Request"}
+
+
+def test_num_draft_tokens_zero_turns_speculation_off_and_the_range_is_named():
+    import numpy as np
+
+    from paradraft.runtime.serving.protocol import parse_request
+
+    config = ServeConfig("verifier", "draft", k=4)
+    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "max_tokens": np.array([[8]], np.int32)}
+    assert parse_request({**inputs, "num_draft_tokens": np.array([[0]], np.int32)},
+                         config).num_draft_tokens == 0
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 4\]"):
+        parse_request({**inputs, "num_draft_tokens": np.array([[5]], np.int32)}, config)
+    # no seed: each request draws its own (a sampled request is not every other one's twin)
+    seeds = {parse_request(inputs, config).seed for _ in range(4)}
+    assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_finish_reason_tells_length_from_stop():
+    from paradraft.runtime.correction import RuleParams
+    from paradraft.runtime.serving.protocol import ParsedRequest, finish_reason
+
+    def request(eos, stops=()):
+        return ParsedRequest([1], 4, RuleParams("greedy"), 4, 0, eos, True,
+                             [list(s) for s in stops])
+
+    assert finish_reason([5, 6, 7, 8], request(0)) == "length"
+    assert finish_reason([5, 6, 0], request(0)) == "stop"  # ended early: an end id
+    assert finish_reason([5, 6, 7, 0], request((3, 0))) == "stop"  # the end id as the last token
+    assert finish_reason([5, 6, 7, 8], request(None, [(7, 8)])) == "stop"  # a stop sequence
+    assert finish_reason([5, 6, 7, 8], request(None, [(6,)])) == "length"
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_detokenizer_streams_whole_characters_without_special_tokens(step):
+    """Byte-level BPE splits é, — and 日本語 across tokens: fed ``step`` tokens at a time, each
+    piece is whole characters, special tokens (EOS) never show, and the pieces join up to the
+    full decode; work per piece follows its new tokens (DecodeStream)."""
+    from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+    from paradraft.runtime.serving.protocol import Detokenizer
+
+    tok = load_tokenizer(DEMO_DIR / "verifier")
+    ids = tok.encode("naïve café — 日本語 ✓ ok<|endoftext|>def f(x):<|endoftext|>").ids
+    assert 0 in ids  # <|endoftext|>, a special token
+    detok = Detokenizer(tok, tok.encode("# prompt\n").ids)
+    pieces = [detok.add(ids[i:i + step]) for i in range(0, len(ids), step)]
+    pieces.append(detok.finish())
+    assert all("\ufffd" not in p and "<|endoftext|>" not in p for p in pieces), pieces
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == "naïve café — 日本語 ✓ okdef f(x):"
+    if step == 1:  # a character split across tokens is held back until it completes
+        assert "" in pieces[:-1]
+    # an output that ends inside a character: finish() hands the rest out as U+FFFD, as
+    # decoding the whole output does
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    detok = Detokenizer(tok)
+    text = "".join(detok.add([i]) for i in ids[:cut]) + detok.finish()
+    assert text == tok.decode(ids[:cut], skip_special_tokens=True)
+
+
+def test_openai_stop_strings_hold_back_what_could_still_become_one():
+    from paradraft.runtime.serving.openai_api import StopMatcher
+
+    m = StopMatcher(["\n\n", "END"])
+    assert m.feed("abc E", False) == ("abc ", False)  # "E" may start "END"
+    assert m.feed("Nx", False) == ("ENx", False)
+    assert m.feed("y\n", False) == ("y", False)
+    assert m.feed("\nmore", False) == ("", True)  # "\n\n": cut before it
+    m = StopMatcher(["END"])
+    assert m.feed("xE", True) == ("xE", False)  # the final piece holds nothing back
+    assert StopMatcher([]).feed("abc", False) == ("abc", False)
+
+
+def test_openai_requests_are_validated_field_by_field():
+    from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+    from paradraft.runtime.serving.openai_api import ApiError, OpenAIConfig, parse_job
+
+    tok = load_tokenizer(DEMO_DIR / "verifier")
+    config = OpenAIConfig("127.0.0.1:1", str(DEMO_DIR / "verifier"), max_seq_len=64)
+
+    def job(**body):
+        return parse_job({"model": "paradraft", "prompt": "def f(x):", **body}, "completions",
+                         tok, config, ())
+
+    j = job(temperature=0, seed=-1, stop="\n", stream=True,
+            stream_options={"include_usage": True}, num_draft_tokens=0, user="me")
+    assert j.inputs["correction_rule"] == ("BYTES", [b"greedy"]) and "temperature" not in j.inputs
+    assert j.inputs["random_seed"] == ("UINT64", [2**64 - 1])
+    assert j.inputs["num_draft_tokens"] == ("INT32", [0])
+    assert (j.stop, j.include_usage, j.max_tokens) == (["\n"], True, 16)  # OpenAI's default
+    assert job(temperature=0.7, top_p=0.9).inputs["temperature"] == ("FP32", [0.7])
+    assert job(ignore_eos=True).inputs["end_id"] == ("INT32", [-1])
+    for body, param, message in [
+        (dict(n=3), "n", "n is not supported"),
+        (dict(max_tokens=0), "max_tokens", r"max_tokens must be in \[1, 59\]"),
+        (dict(max_tokens=True), "max_tokens", "max_tokens must be an integer"),
+        (dict(stream_options={"include_usage": True}), "stream_options", "only with stream"),
+        (dict(stop=[1]), "stop", "stop must be a string or a list of strings"),
+        (dict(prompt=["a", "b"]), "prompt", "one prompt per request"),
+        (dict(prompt=[9999]), "prompt", r"token ids must be in \[0, 8191\]"),
+        (dict(top_k=5), "top_k", "top_k is not supported"),
+        (dict(frequency_penalty=1), "frequency_penalty", "frequency_penalty is not supported"),
+        (dict(suffix="x"), "suffix", "suffix is not supported"),
+        (dict(tools=[]), "tools", "unsupported field 'tools'"),  # chat only
+        (dict(temperature=0, correction_rule="exact"), "correction_rule", "contradict"),
+    ]:
+        with pytest.raises(ApiError, match=message) as e:
+            job(**body)
+        assert (e.value.status, e.value.param) == (400, param), body
+    with pytest.raises(ApiError) as e:
+        job(model="other")
+    assert e.value.status == 404
+    # chat without a template: a 400 that says so
+    with pytest.raises(ApiError, match="no chat template") as e:
+        parse_job({"model": "paradraft", "messages": [{"role": "user", "content": "hi"}]},
+                  "chat", tok, config, ())
+    assert e.value.param == "messages"
+
+
+def test_detokenizer_work_follows_the_new_tokens_not_the_output_so_far():
+    """Streaming 8x the tokens one at a time takes about 8x as long (DecodeStream), not 64x
+    (decoding the output so far for every response, as a stateless detokeniser must)."""
+    import time
+
+    from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+    from paradraft.runtime.serving.protocol import Detokenizer
+
+    tok = load_tokenizer(DEMO_DIR / "verifier")
+    ids = tok.encode("def f(x):\n    return [x * 2 for x in range(10)]  # naïve\n" * 200).ids
+
+    def seconds(n):
+        best = float("inf")
+        for _ in range(3):
+            detok = Detokenizer(tok)
+            t0 = time.perf_counter()
+            for i in ids[:n]:
+                detok.add([i])
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    n = len(ids) // 8
+    assert seconds(8 * n) / seconds(n) < 24

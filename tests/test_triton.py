@@ -19,7 +19,7 @@ from paradraft.runtime.model import load_model
 from paradraft.runtime.serving import client as serving_client
 from paradraft.runtime.serving import protocol
 from paradraft.runtime.serving import server as serving_server
-from paradraft.runtime.speculative import SpeculativeDecoder
+from paradraft.runtime.speculative import SpeculativeDecoder, row_seeds
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -75,8 +75,8 @@ def local(server):
 
     def run(prompt, max_tokens):
         ids = dec.generate([tok.encode(prompt).ids], max_tokens,
-                           eos_token_id=config.eos_token_ids).token_ids[0]
-        return tok.decode(ids)
+                           eos_token_id=config.eos_token_id).token_ids[0]
+        return tok.decode(ids, skip_special_tokens=True)
 
     return run
 
@@ -111,14 +111,15 @@ def tensor(name, value, dtype, np_dtype, shape=(1, 1)):
     return t
 
 
-def metrics(srv) -> dict[str, float]:
+def metrics(srv, labelled: bool = False) -> dict[str, float]:
+    """paradraft_* metrics by name (the last series of each), or by name and labels."""
     url = f"http://{srv.host}:{srv.metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(paradraft_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
         if m and "le=" not in (m.group(2) or ""):
-            out[m.group(1)] = float(m.group(3))
+            out[m.group(1) + (m.group(2) or "") if labelled else m.group(1)] = float(m.group(3))
     return out
 
 
@@ -327,6 +328,27 @@ def test_hostile_input_gets_an_error_and_the_server_keeps_serving(server, case):
     assert ok.text
 
 
+def test_a_bad_request_is_invalid_argument_over_grpc_and_400_over_http(server):
+    """Error classes: a stream opened with Triton's triton_grpc_error header closes with the
+    error's gRPC status code (the preprocessing and paradraft models send INVALID_ARG);
+    Triton's HTTP generate endpoint answers 400."""
+    import json
+
+    srv, _ = server
+    for prompt, max_tokens, message in [("def f():", 0, "max_tokens must be in"),
+                                        ("", 8, "text_input is empty")]:
+        with pytest.raises(serving_client.ServerError, match=message) as e:
+            serving_client.complete(srv.grpc_url, prompt, max_tokens)
+        assert e.value.code == "INVALID_ARGUMENT"
+        body = json.dumps({"text_input": prompt, "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(
+            f"http://{srv.host}:{srv.http_port}/v2/models/ensemble/generate", data=body,
+            method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 400 and message in e.value.read().decode()
+
+
 def test_wrong_shape_is_refused(server):
     srv, _ = server
     inputs = [tensor("text_input", [b"a", b"b"], "BYTES", np.object_, shape=(1, 2)),
@@ -381,6 +403,36 @@ def test_custom_metrics_move(server):
     assert after["paradraft_rollbacks_total"] > before.get("paradraft_rollbacks_total", 0)
     assert "paradraft_queue_depth" in after
     assert after["paradraft_active_sequences"] == 0
+    assert after["paradraft_slots"] == SLOTS
+
+
+def test_metrics_move_every_round_while_a_request_runs(server):
+    """Scrapes during one long stream: the acceptance counters (per position too) climb
+    while the request still holds its slot, not only when it finishes."""
+    srv, _ = server
+    before = metrics(srv, labelled=True)
+    thread = threading.Thread(target=serving_client.complete,
+                              args=(srv.grpc_url, "def long_function():", 280),
+                              kwargs=dict(end_id=-1))
+    thread.start()
+    seen = []
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:
+        m = metrics(srv, labelled=True)
+        if m.get('paradraft_active_sequences{model="paradraft"}') == 1 and (
+                not seen or m['paradraft_draft_tokens_total{model="paradraft"}']
+                > seen[-1]['paradraft_draft_tokens_total{model="paradraft"}']):
+            seen.append(m)
+        time.sleep(0.05)
+    thread.join(120)
+    assert len(seen) == 2, "no two scrapes saw the counters move during the stream"
+    first = 'paradraft_draft_tokens_by_position_total{model="paradraft",position="1"}'
+    assert seen[1][first] > seen[0][first] > before.get(first, 0)
+    finished = 'paradraft_requests_total{model="paradraft"}'
+    assert seen[1][finished] == before.get(finished, 0)  # it was still running
+    accepted = [seen[1][f'paradraft_accepted_tokens_by_position_total{{model="paradraft",'
+                        f'position="{i}"}}'] for i in range(1, 5)]
+    assert accepted == sorted(accepted, reverse=True)  # a block is accepted as a prefix
 
 
 def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
@@ -400,20 +452,59 @@ def test_loadtest_runs_every_level_in_turn_and_loses_nothing(server, tmp_path):
     assert (tmp_path / "loadtest.png").stat().st_size > 0
 
 
+def test_loadtest_counts_errors_and_lost_requests_and_runs_the_in_process_reference(
+        server, tmp_path):
+    """Error responses (max_tokens past the limit) count as errors, requests with no final
+    response in time as lost; over Triton's HTTP endpoint too; and each served level is
+    followed by the same prompts through a scheduler with the server's settings in a plain
+    Python process."""
+    from paradraft.runtime.tools.loadtest import (
+        REFERENCE,
+        ReferenceProcess,
+        run_level,
+        run_loadtest,
+        write_outputs,
+    )
+
+    srv, config = server
+    http_url = f"{srv.host}:{srv.http_port}"
+    for kind, url in [("grpc", srv.grpc_url), ("http", http_url)]:
+        r = run_level(url, PROMPTS, 2, 3, 10_000, protocol=kind)
+        assert (r.errors, r.lost) == (3, 0), (kind, r.error_messages)
+        assert "max_tokens must be in" in r.error_messages[0]
+        r = run_level(url, PROMPTS, 2, 3, 200, protocol=kind, timeout=0.001)
+        assert (r.errors, r.lost) == (0, 3), (kind, r.error_messages)
+    reference = ReferenceProcess(config, config.verifier, PROMPTS, requests=3, max_tokens=6)
+    try:
+        results = run_loadtest(http_url, PROMPTS, [1, 2], requests=3, max_tokens=6,
+                               protocol="http", reference=reference)
+    finally:
+        reference.stop()
+    assert [(r.protocol, r.concurrency) for r in results] == [
+        ("http", 1), (REFERENCE, 1), ("http", 2), (REFERENCE, 2)]
+    for r in results:
+        assert (r.answered, r.errors, r.lost, r.output_tokens) == (3, 0, 0, 18), r
+    summary = write_outputs(results, tmp_path, {})["summary"]
+    assert summary["served_vs_in_process"]["c1"] == pytest.approx(
+        results[0].tokens_per_second / results[1].tokens_per_second)
+
+
 def tritonservers_in(workdir: Path) -> list[int]:
-    """pids of tritonserver processes started with a model repository under ``workdir``."""
+    """pids of tritonserver processes started with a model repository under ``workdir``, and
+    of OpenAI API processes whose chat dir is there."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "tritonserver" in cmdline and str(workdir) in cmdline:
+        if (("tritonserver" in cmdline or "serve_forever" in cmdline)
+                and str(workdir) in cmdline):
             pids.append(int(proc.name))
     return pids
 
 
-def start_serve_command(workdir: Path):
+def start_serve_command(workdir: Path, *extra: str):
     import subprocess
     import sys
 
@@ -421,7 +512,7 @@ def start_serve_command(workdir: Path):
            "--verifier", str(MODELS / "verifier"), "--draft", str(MODELS / "draft"),
            "--max-slots", "2", "--max-seq-len", "128", "--grpc-port", str(free_port()),
            "--http-port", str(free_port()), "--metrics-port", str(free_port()),
-           "--workdir", str(workdir)]
+           "--workdir", str(workdir), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -429,10 +520,17 @@ def start_serve_command(workdir: Path):
 def test_serve_command_leaves_no_tritonserver_after_sigterm(tmp_path, when):
     """`paradraft serve` as users run it: SIGTERM while it waits for readiness, or once it
     serves, stops its tritonserver (which runs in its own session and never sees the
-    signal) and exits cleanly."""
+    signal) and exits cleanly. Once ready it also serves the OpenAI API (--openai-port), which
+    stops with it."""
+    import json
     import signal
 
-    proc = start_serve_command(tmp_path)
+    openai_port = free_port()
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    extra = () if when == "starting" else ("--openai-port", str(openai_port),
+                                          "--chat-template", str(template))
+    proc = start_serve_command(tmp_path, *extra)
     try:
         deadline = time.monotonic() + 240
         if when == "starting":
@@ -444,6 +542,14 @@ def test_serve_command_leaves_no_tritonserver_after_sigterm(tmp_path, when):
             while "Triton ready" not in line and time.monotonic() < deadline:
                 line = proc.stdout.readline()
                 assert line or proc.poll() is None, "serve exited before it was ready"
+            assert f"OpenAI API http://127.0.0.1:{openai_port}/v1" in line
+            body = json.dumps({"model": "paradraft", "max_tokens": 3,
+                               "messages": [{"role": "user", "content": "def f():"}]})
+            req = urllib.request.Request(f"http://127.0.0.1:{openai_port}/v1/chat/completions",
+                                         data=body.encode(), method="POST")
+            reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            assert reply["usage"]["completion_tokens"] == 3
+            assert len(tritonservers_in(tmp_path)) == 2  # tritonserver and the API
         assert tritonservers_in(tmp_path), "no tritonserver was started"
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
@@ -457,32 +563,34 @@ def test_serve_command_leaves_no_tritonserver_after_sigterm(tmp_path, when):
     assert tritonservers_in(tmp_path) == []
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_postprocessing_streams_multibyte_characters_whole(server, step):
-    """Byte-level BPE splits é, — and 日本語 across tokens; streamed through the real
-    postprocessing model ``step`` tokens per response, each character comes out whole and
-    once, and the pieces join up to the full text."""
+def test_served_text_leaves_special_tokens_out(server):
+    """A sampled request whose output holds special tokens (<|endoftext|>, <pad>: found in
+    process at a flat temperature; each request samples from its own seeded stream, so the
+    server draws the same): the served text is the decode without them, streamed or not."""
     srv, config = server
     tok = load_tokenizer(config.verifier)
-    text = "naïve café — 日本語 ✓ ok"
-    ids = tok.encode(text).ids
-    ends = [*range(step, len(ids), step), len(ids)]
-    client = grpcclient.InferenceServerClient(srv.grpc_url)
-    pieces, prev = [], 0
-    try:
-        for end in ends:
-            inputs = [tensor("output_ids", ids[:end], "INT32", np.int32, (1, end)),
-                      tensor("prev_length", prev, "INT32", np.int32),
-                      tensor("is_final", end == len(ids), "BOOL", np.bool_)]
-            out = client.infer("postprocessing", inputs).as_numpy("text_output")
-            pieces.append(out.reshape(-1)[0].decode())
-            prev = end
-    finally:
-        client.close()
-    # responses that end inside a character: it must be held back, not sent as U+FFFD
-    assert any(tok.decode(ids[:end]).endswith("\ufffd") for end in ends[:-1])
-    assert all("\ufffd" not in p for p in pieces), pieces
-    assert "".join(pieces) == text
+    rows, n = 16, 200
+    dec = SpeculativeDecoder(load_model(config.verifier),
+                             Drafter("model", load_model(config.draft)),
+                             RuleParams("exact", temperature=100.0), k=config.k,
+                             max_batch_size=rows, max_seq_len=MAX_SEQ)
+    prompt = tok.encode("def f(x):").ids
+    specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    for first in range(0, 8 * rows, rows):  # 16 seeds a batch: row b gets row_seeds' seed
+        outputs = dec.generate([prompt] * rows, n, seed=first, eos_token_id=None).token_ids
+        hits = [b for b, ids in enumerate(outputs) if specials & set(ids)]
+        if hits:
+            seed, ids = row_seeds(first, rows)[hits[0]], outputs[hits[0]]
+            break
+    else:
+        pytest.fail(f"no seed of 128 sampled a special token in {n} tokens")
+    want = tok.decode(ids, skip_special_tokens=True)
+    assert want != tok.decode(ids, skip_special_tokens=False)
+    for stream in (False, True):
+        done = serving_client.complete(srv.grpc_url, "def f(x):", n, stream,
+                                       temperature=100.0, random_seed=seed, end_id=-1)
+        assert done.text == want, (seed, stream)
+        assert "".join(done.chunks) == done.text and sum(done.chunk_tokens) == n
 
 
 def test_stop_words_end_the_output_after_their_first_occurrence(server, local):
@@ -559,7 +667,7 @@ def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_serv
     tok = load_tokenizer(config.engines)
     for prompt in PROMPTS[:3]:
         ids = dec.generate([tok.encode(prompt).ids], 24,
-                           eos_token_id=config.eos_token_ids).token_ids[0]
+                           eos_token_id=config.eos_token_id).token_ids[0]
         got = serving_client.complete(srv.grpc_url, prompt, 24, stream=True)
-        assert got.text == "".join(got.chunks) == tok.decode(ids), prompt
+        assert got.text == "".join(got.chunks) == tok.decode(ids, skip_special_tokens=True), prompt
         assert len(got.chunks) > 1 and got.total_draft_tokens > 0

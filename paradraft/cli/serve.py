@@ -1,9 +1,11 @@
-"""``paradraft serve``: Triton Inference Server with the speculative model; the server options
-and process handling that ``demo`` and ``loadtest`` share."""
+"""``paradraft serve``: Triton Inference Server with the speculative model, and with
+``--openai-port`` an OpenAI-compatible API in front of it; the server options and process
+handling that ``demo`` and ``loadtest`` share."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import socket
 import sys
@@ -11,11 +13,12 @@ import time
 from pathlib import Path
 
 from paradraft.runtime.backends.manifest import read_manifest
-from paradraft.runtime.checkpoints import DEMO_DIR
+from paradraft.runtime.checkpoints import DEMO_DIR, chat_template
 from paradraft.runtime.correction import RULES
 from paradraft.runtime.drafters import DRAFTERS
 from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import load_config
+from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
 from paradraft.runtime.serving.server import Server, start_server
 
@@ -25,12 +28,25 @@ from .common import add_acceptance_floor_arg, add_draft_threads_arg, check_engin
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start Triton Inference Server with the speculative model")
     add_server_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    add_openai_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every listener binds (gRPC, HTTP, metrics, OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible API (/v1/completions, "
+                   "/v1/chat/completions, /v1/models) on this port")
     p.add_argument("--workdir", type=Path, default=None, help="where the repository goes")
     p.set_defaults(run=run)
+
+
+def add_openai_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--served-model-name", default="paradraft",
+                   help="the model id the OpenAI API lists and requests must name")
+    s.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (default: the "
+                   "verifier's chat_template.jinja or tokenizer_config.json)")
 
 
 def add_server_args(s: argparse.ArgumentParser) -> None:
@@ -135,11 +151,64 @@ def own_server(args: argparse.Namespace, config: ServeConfig) -> Server:
                         metrics_port=free_port())
 
 
+def has_chat_template(path: Path) -> bool:
+    try:
+        chat_template(path)
+    except ValueError:
+        return False
+    return True
+
+
+def chat_dir(args: argparse.Namespace, workdir: Path) -> Path:
+    """The dir the OpenAI API reads its tokenizer and chat template from: the engine dir, or
+    (when the build did not copy tokenizer_config.json / chat_template.jinja there) the
+    verifier checkpoint the manifest names; with ``--chat-template`` a dir assembled in
+    ``workdir`` from the tokenizer files and that template."""
+    base = Path(args.engines or args.verifier)
+    found = base
+    if args.engines and not has_chat_template(base):
+        source = read_manifest(args.engines, verify=False)["models"]["verifier"].get("source")
+        if source and (Path(source) / "tokenizer.json").is_file() and has_chat_template(
+                Path(source)):
+            found = Path(source)
+    if args.chat_template is None:
+        return found
+    if not args.chat_template.is_file():
+        raise FileNotFoundError(f"chat_template: no file {args.chat_template}")
+    out = workdir / "chat"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (found / name).is_file():
+            shutil.copyfile(found / name, out / name)
+    shutil.copyfile(args.chat_template, out / "chat_template.jinja")
+    return out
+
+
+def openai_config(args: argparse.Namespace, config: ServeConfig, server: Server, port: int
+                  ) -> OpenAIConfig:
+    # the API reaches Triton on the loopback when Triton listens on every address
+    grpc_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+    return OpenAIConfig(grpc_url=f"{grpc_host}:{server.grpc_port}",
+                        tokenizer_dir=str(chat_dir(args, server.workdir)),
+                        max_seq_len=config.max_seq_len,
+                        served_model_name=args.served_model_name, host=server.host, port=port)
+
+
+def own_openai_server(args: argparse.Namespace, config: ServeConfig, server: Server
+                      ) -> OpenAIServer:
+    """The OpenAI API in front of ``server`` on a free local port (stopped by the caller)."""
+    print("paradraft: starting the OpenAI API ...", file=sys.stderr, flush=True)
+    return start_openai_server(openai_config(args, config, server, free_port()),
+                               log=server.workdir / "openai.log")
+
+
 def run(args: argparse.Namespace) -> None:
     config = serve_config(args)
     tokenizer = str(Path(args.engines or args.verifier) / "tokenizer.json")
     if not Path(tokenizer).is_file():
         raise FileNotFoundError(f"missing {tokenizer}")
+    if args.openai_port is not None and not 1 <= args.openai_port <= 65535:
+        raise ValueError(f"openai_port must be in [1, 65535]; got {args.openai_port}")
     interrupt_on_sigterm()
     try:  # start_server stops the process itself if interrupted before it is ready
         server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
@@ -148,14 +217,24 @@ def run(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         print("paradraft: interrupted before tritonserver was ready; stopped it", flush=True)
         return
+    api = None
     try:  # the ready line is inside: a signal that lands while it prints still stops the server
+        if args.openai_port is not None:
+            api = start_openai_server(openai_config(args, config, server, args.openai_port),
+                                      log=server.workdir / "openai.log")
+        openai = f", OpenAI API {api.url}" if api is not None else ""
         print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
               f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}"
-              f"/metrics (log {server.log})", flush=True)
-        while server.process.poll() is None:
+              f"/metrics{openai} (log {server.log})", flush=True)
+        while server.process.poll() is None and (api is None or api.process.poll() is None):
             time.sleep(0.5)
+        if api is not None and api.process.poll() is not None:
+            print(f"paradraft: the OpenAI API exited ({api.process.returncode}; log "
+                  f"{server.workdir / 'openai.log'}); stopping", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:
+        if api is not None:
+            api.stop()
         code = server.stop()
     print(f"paradraft: tritonserver stopped ({code})", flush=True)

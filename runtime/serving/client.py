@@ -9,6 +9,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Triton >= 2.49 closes a stream that opened with this header with the error's gRPC status
+# code (INVALID_ARGUMENT, UNAVAILABLE, ...) instead of an in-stream error message
+STATUS_CODES = {"triton_grpc_error": "true"}
+
+
+class ServerError(RuntimeError):
+    """An error response. ``code``: its gRPC status name (``INVALID_ARGUMENT`` for a bad
+    request, ``UNAVAILABLE`` for a full queue: retry later), when the stream carried one."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class LostRequest(RuntimeError):
+    """No final response: none came in time, or the stream broke off."""
+
 
 @dataclass
 class Completion:
@@ -20,6 +37,20 @@ class Completion:
     first_token_s: float
     chunk_times: list[float]
     chunk_tokens: list[int]  # tokens each response carried (from sequence_length)
+    finish_reason: str = ""
+
+
+def stream_error(error, status_codes: bool) -> RuntimeError:
+    """What a tritonclient stream error means: an in-stream error message is an error
+    response; a closed stream is one too when the stream asked for status codes, else the
+    request was lost (the connection broke, the server went away)."""
+    status = error.status()
+    code = status.removeprefix("StatusCode.") if status else None
+    if code is None:
+        return ServerError(error.message())
+    if status_codes and code != "CANCELLED":
+        return ServerError(error.message(), code)
+    return LostRequest(f"{code}: {error.message()}")
 
 
 def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
@@ -33,13 +64,14 @@ def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
     stop = grpcclient.InferInput("stop", [1, 1], "BOOL")
     stop.set_data_from_numpy(np.array([[True]]))
     try:
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers=STATUS_CODES)
         client.async_stream_infer("ensemble", [*inputs, stop], request_id=request_id,
                                   enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
-                raise RuntimeError(str(error))
+                raise stream_error(error, True)
             final = result.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 return
@@ -86,11 +118,13 @@ def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
 
 def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
              on_text=None, timeout: float = 300, request_id: str = "", client=None,
-             **optional) -> Completion:
+             status_codes: bool = True, **optional) -> Completion:
     """One completion over gRPC streaming (the API decoupled models need). ``request_id``
     names it for ``stop_request``. ``client``: a ``tritonclient.grpc`` client to reuse (one
     stream at a time; the caller closes it), as a load generator keeps one per worker
-    instead of a new channel per request."""
+    instead of a new channel per request. Raises ``ServerError`` for an error response
+    (with its gRPC status code unless ``status_codes`` is false) and ``LostRequest`` when no
+    final response came (within ``timeout`` seconds of the last one)."""
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -99,16 +133,21 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
         client = grpcclient.InferenceServerClient(url)
     chunks, times, counts = [], [], []
     stats = (0.0, 0, 0)
+    reason = ""
     t0 = time.perf_counter()
     try:
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers=STATUS_CODES if status_codes else None)
         client.async_stream_infer("ensemble", request_inputs(prompt, max_tokens, stream,
                                                              **optional),
                                   request_id=request_id, enable_empty_final_response=True)
         while True:
-            result, error = results.get(timeout=timeout)
+            try:
+                result, error = results.get(timeout=timeout)
+            except queue.Empty:
+                raise LostRequest(f"no response for {timeout} s") from None
             if error is not None:
-                raise RuntimeError(str(error))
+                raise stream_error(error, status_codes)
             response = result.get_response()
             final = response.parameters.get("triton_final_response")
             if result.as_numpy("text_output") is not None:
@@ -117,9 +156,11 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                 times.append(time.perf_counter() - t0)
                 length = int(result.as_numpy("sequence_length").reshape(-1)[0])
                 counts.append(length - sum(counts))
-                stats = (float(result.as_numpy("acceptance_rate").reshape(-1)[0]),
-                         int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
-                         int(result.as_numpy("total_draft_tokens").reshape(-1)[0]))
+                if result.as_numpy("finish_reason") is not None:  # the final response
+                    stats = (float(result.as_numpy("acceptance_rate").reshape(-1)[0]),
+                             int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
+                             int(result.as_numpy("total_draft_tokens").reshape(-1)[0]))
+                    reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
                 if on_text is not None:
                     on_text(text)
             if final is not None and final.bool_param:
@@ -130,4 +171,4 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
             client.close()
     return Completion("".join(chunks), chunks, *stats,
                       first_token_s=times[0] if times else 0.0, chunk_times=times,
-                      chunk_tokens=counts)
+                      chunk_tokens=counts, finish_reason=reason)

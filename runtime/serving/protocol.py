@@ -7,6 +7,8 @@ functions, which are tested in process.
 from __future__ import annotations
 
 import itertools
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,12 +215,15 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
     )
     k = scalar(inputs, "num_draft_tokens", int)
     k = config.k if k is None else k
-    if not 1 <= k <= config.k:
-        raise ValueError(f"num_draft_tokens must be in [1, {config.k}]; got {k}")
+    if not 0 <= k <= config.k:  # 0: this request decodes without drafts
+        raise ValueError(f"num_draft_tokens must be in [0, {config.k}] (0: no speculation); "
+                         f"got {k}")
     seed = scalar(inputs, "random_seed", int)
     end_id = scalar(inputs, "end_id", int)
     stream = scalar(inputs, "stream", bool)
-    return ParsedRequest(prompt, max_tokens, params, k, 0 if seed is None else seed % 2**63,
+    if seed is None:  # each request samples from its own stream: unseeded ones draw a seed
+        seed = random.getrandbits(63)
+    return ParsedRequest(prompt, max_tokens, params, k, seed % 2**63,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
                          bool(stream), stop_sequences(inputs))
 
@@ -243,3 +248,64 @@ def eos_or_none(end_id: int) -> int | None:
     if end_id < -1:
         raise ValueError(f"end_id must be -1 (none) or a token id >= 0; got {end_id}")
     return None if end_id == -1 else end_id
+
+
+def finish_reason(tokens: list[int], request: ParsedRequest) -> str:
+    """Why a finished request stopped, as OpenAI names it: ``length`` when it ran out of
+    ``max_new_tokens`` without ending on an end id or a stop sequence, else ``stop``."""
+    if len(tokens) < request.max_new_tokens:
+        return "stop"
+    eos = request.eos_token_id
+    ends = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    if tokens and tokens[-1] in ends:
+        return "stop"
+    if any(tokens[-len(stop):] == stop for stop in request.stop_sequences):
+        return "stop"
+    return "length"
+
+
+DETOKENIZER_CONTEXT = 8  # prompt tokens a detokeniser starts from (a leading space, say)
+
+
+class Detokenizer:
+    """Incremental detokenisation of one request's output, special tokens (EOS, chat
+    markers) left out: each ``add`` costs work in proportion to its new tokens (tokenizers'
+    DecodeStream), not to the output so far. Text that ends inside a multi-byte character
+    is held back until the character completes, so every piece is valid UTF-8 and the
+    pieces join up to ``tokenizer.decode(ids, skip_special_tokens=True)``; ``finish``
+    flushes what is still held (as U+FFFD, as that decode shows it)."""
+
+    def __init__(self, tokenizer, prompt: Sequence[int] = ()):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        # the prompt's tail as context: tokenizers that drop a leading space at the start of
+        # a text (SentencePiece's ▁) keep it on the first generated token
+        self.context = list(prompt[-DETOKENIZER_CONTEXT:])
+        self.stream = DecodeStream(ids=self.context or None, skip_special_tokens=True)
+        self.ids: list[int] = []
+        self.chars = 0  # characters handed out so far
+        self.held = False  # the last tokens are still held back
+
+    def add(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        self.ids += ids
+        text = self.stream.step(self.tokenizer, ids)
+        self.held = text is None
+        if text is None:
+            return ""
+        self.chars += len(text)
+        return text
+
+    def finish(self) -> str:
+        """The held-back rest (only when the output ends inside a character: the one time
+        the whole output is decoded again)."""
+        if not self.held:
+            return ""
+        self.held = False
+        decode = self.tokenizer.decode
+        base = len(decode(self.context, skip_special_tokens=True)) if self.context else 0
+        rest = decode(self.context + self.ids, skip_special_tokens=True)[base + self.chars:]
+        self.chars += len(rest)
+        return rest

@@ -1,7 +1,7 @@
 """Triton Inference Server deployment: the model repository and the server process.
 
 ``paradraft serve`` writes a model repository from the templates in ``triton_repo/``
-(preprocessing → paradraft → postprocessing, chained by an ensemble) and runs a real
+(preprocessing → paradraft, chained by an ensemble) and runs a real
 ``tritonserver``. On a CPU machine that is the binary bundled in the ``nvidia-pytriton`` wheel
 (the Makefile unpacks it into ``.venv/pytriton``); in an NGC container it is the one on PATH.
 ``fill_template`` is the one template filler: our repository and the TensorRT-LLM one
@@ -27,7 +27,7 @@ from pathlib import Path
 from .protocol import ServeConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
-MODELS = ("preprocessing", "paradraft", "postprocessing", "ensemble")
+MODELS = ("preprocessing", "paradraft", "ensemble")
 
 
 
@@ -93,8 +93,6 @@ def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Pat
         "max_input_tokens": str(config.max_input_tokens),
         "site_packages": site_packages(),
         "preprocessing_instances": "2",
-        # one instance: responses of a stream must leave postprocessing in the order they came
-        "postprocessing_instances": "1",
         "model_config": str(repo / "paradraft" / "paradraft.json"),
     }
     for name in MODELS:

@@ -1,27 +1,37 @@
-"""``paradraft loadtest``: bounded-concurrency gRPC streaming against a running server.
+"""``paradraft loadtest``: bounded-concurrency streaming against a running server.
 
 For each concurrency level a fixed number of requests is sent by that many client threads
 (each sends its next request when the previous one finished), so the run stops by itself.
-Reports output tokens/s, time to first token and inter-token latency (p50/p99), errors,
-lost requests (sent but never answered) and acceptance. Ratios between levels come from one
-run against one server; with ``repeats`` > 1 the levels are run in turn (c1, c4, … c1, c4, …)
-so a slow spell of a shared machine hits every level alike, and the reported ratio is the
-median of the per-repeat ratios.
+Three protocols: ``grpc`` (the ensemble over a gRPC stream, what TensorRT-LLM's clients
+use), ``http`` (the ensemble's ``generate_stream`` server-sent events) and ``openai``
+(``/v1/completions`` streamed). Reports output tokens/s, time to first token and inter-token
+latency (p50/p99), errors (error responses), lost requests (no final response: none came in
+time, or the stream broke off) and acceptance. The in-process reference (``run_reference``)
+runs the same prompts through the same scheduler and decoder in this process, with no
+serving at all, so served / in-process is the serving overhead. Ratios between levels come
+from one run against one server; with ``repeats`` > 1 the levels are run in turn (c1, c4, …
+c1, c4, …) so a slow spell of a shared machine hits every level alike, and the reported
+ratio is the median of the per-repeat ratios.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
-import tritonclient.grpc as grpcclient
 from tqdm import tqdm
 
-from ..serving.client import complete
+from ..serving.client import Completion, LostRequest, ServerError, complete
+
+PROTOCOLS = ("grpc", "http", "openai")
+REFERENCE = "in-process"
 
 
 @dataclass
@@ -44,6 +54,7 @@ class LevelResult:
     # machine it shares with the server, this much compute was not the server's
     client_cpu_share: float
     error_messages: list[str]
+    protocol: str = "grpc"  # or http, openai, in-process (the reference)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,43 +64,128 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-              progress: tqdm | None = None, repeat: int = 0) -> LevelResult:
-    jobs = list(range(requests))
-    lock = threading.Lock()
-    results, errors = [], []
+# -- one streamed request per protocol: each returns a Completion or raises ServerError (an
+# error response) or LostRequest (no final response) ----------------------------------------
 
-    def worker():
-        # one channel per worker, reused by its requests (as perf_analyzer does): a new
-        # channel per request is client CPU taken from a server on the same cores
+def sse_events(response: http.client.HTTPResponse):
+    """The JSON payloads of a server-sent event stream (``data: [DONE]`` as None)."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield None if data == "[DONE]" else json.loads(data)
+
+
+def http_stream(conn: http.client.HTTPConnection, path: str, body: dict, timeout: float):
+    """POST ``body`` and return the open response; an error status is an error response."""
+    conn.timeout = timeout
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+    except OSError as e:
+        conn.close()
+        raise LostRequest(f"{type(e).__name__}: {e}") from None
+    if response.status != 200:
+        message = response.read().decode(errors="replace")[:300]
+        raise ServerError(f"HTTP {response.status}: {message}", str(response.status))
+    return response
+
+
+def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
+                timeout: float) -> Completion:
+    """Triton's ``generate_stream`` on the ensemble: one event per response; the final one
+    carries a finish_reason."""
+    t0 = time.perf_counter()
+    response = http_stream(conn, "/v2/models/ensemble/generate_stream",
+                           {"text_input": prompt, "max_tokens": max_tokens, "stream": True},
+                           timeout)
+    chunks, times, counts, last = [], [], [], {}
+    try:
+        for event in sse_events(response):
+            if event is None:
+                continue
+            if "error" in event:
+                raise ServerError(event["error"])
+            last = event
+            chunks.append(event["text_output"])
+            times.append(time.perf_counter() - t0)
+            counts.append(event["sequence_length"] - sum(counts))
+            if event.get("finish_reason"):
+                break
+        response.read()  # the rest of the stream: the connection is reused
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        conn.close()
+        raise LostRequest(f"{type(e).__name__}: {e}") from None
+    if not last.get("finish_reason"):
+        conn.close()
+        raise LostRequest("the stream ended without a final response")
+    return Completion("".join(chunks), chunks, last["acceptance_rate"],
+                      last["total_accepted_draft_tokens"], last["total_draft_tokens"],
+                      times[0], times, counts, last["finish_reason"])
+
+
+def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
+                timeout: float, model: str = "paradraft") -> Completion:
+    """``/v1/completions`` streamed, with the usage chunk. Chunks carry no token counts, so
+    each chunk's share of the completion tokens is taken as equal (for the ITL only)."""
+    t0 = time.perf_counter()
+    response = http_stream(conn, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+        "stream_options": {"include_usage": True}}, timeout)
+    chunks, times, done, reason, usage, stats = [], [], False, "", None, {}
+    try:
+        for event in sse_events(response):
+            if event is None:
+                done = True
+                break
+            if "error" in event:
+                raise ServerError(event["error"].get("message", str(event)))
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    chunks.append(choice["text"])
+                    times.append(time.perf_counter() - t0)
+                reason = choice.get("finish_reason") or reason
+            usage = event.get("usage") or usage
+            stats = event.get("paradraft") or stats
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        conn.close()
+        raise LostRequest(f"{type(e).__name__}: {e}") from None
+    if not done or not reason or usage is None:
+        conn.close()
+        raise LostRequest("the stream ended without a final response")
+    tokens = usage["completion_tokens"]
+    counts = [tokens // len(chunks) + (i < tokens % len(chunks)) for i in range(len(chunks))]
+    return Completion("".join(chunks), chunks, stats.get("acceptance_rate", 0.0),
+                      stats.get("accepted_draft_tokens", 0), stats.get("draft_tokens", 0),
+                      times[0] if times else 0.0, times, counts, reason)
+
+
+def requester(protocol: str, url: str, timeout: float, model: str = "paradraft"
+              ) -> tuple[Callable, Callable]:
+    """(send(prompt, max_tokens) -> Completion, close) for one worker: one channel or
+    keep-alive connection per worker, reused by its requests (as perf_analyzer does): a new
+    one per request is client CPU taken from a server on the same cores."""
+    if protocol == "grpc":
+        import tritonclient.grpc as grpcclient
+
         client = grpcclient.InferenceServerClient(url)
-        try:
-            while True:
-                with lock:
-                    if not jobs:
-                        return
-                    i = jobs.pop()
-                try:
-                    r = complete(url, prompts[i % len(prompts)], max_tokens, stream=True,
-                                 client=client)
-                    with lock:
-                        results.append(r)
-                except Exception as e:  # counted, never raised: the run must finish
-                    with lock:
-                        errors.append(str(e)[:200])
-                if progress is not None:
-                    progress.update(1)
-        finally:
-            client.close()
+        # no status codes: an error response then arrives in the stream, and a broken
+        # stream (an RPC error) means the request was lost
+        return (lambda prompt, n: complete(url, prompt, n, stream=True, client=client,
+                                           timeout=timeout, status_codes=False),
+                client.close)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    if protocol == "http":
+        return (lambda prompt, n: triton_http(conn, prompt, n, timeout)), conn.close
+    return (lambda prompt, n: openai_http(conn, prompt, n, timeout, model)), conn.close
 
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - t0
-    client_cpu = time.process_time() - cpu0
+
+def level_result(results: list[Completion], errors: list[str], lost: list[str], requests: int,
+                 concurrency: int, repeat: int, seconds: float, client_cpu: float,
+                 protocol: str) -> LevelResult:
     tokens = sum(sum(r.chunk_tokens) for r in results)
     ttft = [r.first_token_s * 1e3 for r in results]
     # inter-token latency: each gap between responses spread over the tokens it delivered
@@ -104,34 +200,220 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
     accepted = sum(r.total_accepted_draft_tokens for r in results)
     return LevelResult(
         concurrency=concurrency, repeat=repeat, requests=requests,
-        answered=len(results) + len(errors),
-        errors=len(errors), lost=requests - len(results) - len(errors), output_tokens=tokens,
-        seconds=seconds, tokens_per_second=tokens / seconds,
+        answered=len(results) + len(errors), errors=len(errors), lost=len(lost),
+        output_tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds,
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
         itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99),
         acceptance_rate=accepted / drafted if drafted else 0.0,
         client_cpu_share=client_cpu / seconds,
-        error_messages=sorted(set(errors))[:5],
+        error_messages=sorted(set(errors + lost))[:5], protocol=protocol,
     )
 
 
+def run_workers(concurrency: int, requests: int, work: Callable[[int], None],
+                progress: tqdm | None) -> tuple[float, float]:
+    """``work(i)`` for i in 0..requests-1 over ``concurrency`` threads; (seconds, CPU)."""
+    jobs = list(range(requests))
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                i = jobs.pop()
+            work(i)
+            if progress is not None:
+                progress.update(1)
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+              progress: tqdm | None = None, repeat: int = 0, protocol: str = "grpc",
+              timeout: float = 300, model: str = "paradraft") -> LevelResult:
+    lock = threading.Lock()
+    results, errors, lost = [], [], []
+    local = threading.local()
+    senders: list[Callable] = []
+
+    def work(i: int) -> None:
+        if not hasattr(local, "send"):
+            local.send, close = requester(protocol, url, timeout, model)
+            with lock:
+                senders.append(close)
+        try:
+            r = local.send(prompts[i % len(prompts)], max_tokens)
+            with lock:
+                results.append(r)
+        except ServerError as e:  # counted, never raised: the run must finish
+            with lock:
+                errors.append(str(e)[:200])
+        except LostRequest as e:
+            with lock:
+                lost.append(f"lost: {str(e)[:190]}")
+
+    try:
+        seconds, cpu = run_workers(concurrency, requests, work, progress)
+    finally:
+        for close in senders:
+            close()
+    return level_result(results, errors, lost, requests, concurrency, repeat, seconds, cpu,
+                        protocol)
+
+
+def run_reference(scheduler, tokenizer, params, eos_token_id, prompts: list[str],
+                  concurrency: int, requests: int, max_tokens: int, repeat: int = 0,
+                  progress: tqdm | None = None) -> LevelResult:
+    """The same prompts through ``scheduler`` (``protocol.build_scheduler`` with the server's
+    settings; ``params``: its default rule parameters) in this process: the same decoder
+    and batching, no Triton, no IPC, no network. Tokens come back through the scheduler's
+    callbacks, as the server's do."""
+    from ..scheduler import Request
+
+    results: list[Completion] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        done = threading.Event()
+        t0 = time.perf_counter()
+        times, counts = [], []
+
+        def on_tokens(new):
+            times.append(time.perf_counter() - t0)
+            counts.append(len(new))
+
+        def on_done(stats, error):
+            if stats is not None:
+                with lock:
+                    results.append(Completion("", [], stats.acceptance_rate,
+                                              stats.accepted_tokens, stats.draft_tokens,
+                                              times[0] if times else 0.0, times, counts))
+            done.set()
+
+        ids = tokenizer.encode(prompts[i % len(prompts)]).ids
+        scheduler.submit(Request(ids, max_tokens, params, on_tokens, on_done,
+                                 eos_token_id=eos_token_id))
+        done.wait()
+
+    seconds, cpu = run_workers(concurrency, requests, work, progress)
+    return level_result(results, [], [], requests, concurrency, repeat, seconds, cpu,
+                        REFERENCE)
+
+
+# the reference runs in a process of its own, started in a new session like tritonserver: on
+# a shared machine the kernel gives each session (autogroup) a fair share of the CPU, so a
+# reference inside the load generator's session would get less than the server and make
+# serving look cheaper than it is
+REFERENCE_ENTRY = ("from paradraft.runtime.tools.loadtest import reference_process_main; "
+                   "reference_process_main()")
+
+
+def reference_process_main() -> None:
+    """The reference process: one JSON line of settings on stdin, then one line per level to
+    run (concurrency, repeat); answers one LevelResult JSON line each."""
+    import sys
+
+    from ..checkpoints import load_tokenizer
+    from ..serving.protocol import ServeConfig, build_scheduler, default_params
+
+    setup = json.loads(sys.stdin.readline())
+    config = ServeConfig(**setup["config"])
+    scheduler = build_scheduler(config)
+    tokenizer = load_tokenizer(setup["tokenizer_dir"])
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            level = json.loads(line)
+            r = run_reference(scheduler, tokenizer, default_params(config), config.eos_token_id,
+                              setup["prompts"], level["concurrency"], setup["requests"],
+                              setup["max_tokens"], level["repeat"])
+            print(json.dumps(asdict(r)), flush=True)
+    finally:
+        scheduler.stop()
+
+
+class ReferenceProcess:
+    """``run_reference`` with the server's settings (a ``ServeConfig``) in its own process
+    and session; call it as run_loadtest's ``reference``."""
+
+    def __init__(self, config, tokenizer_dir: str, prompts: list[str], requests: int,
+                 max_tokens: int):
+        import subprocess
+        import sys
+
+        self.requests = requests
+        self.process = subprocess.Popen([sys.executable, "-c", REFERENCE_ENTRY],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+        self.send({"config": asdict(config), "tokenizer_dir": tokenizer_dir,
+                   "prompts": prompts, "requests": requests, "max_tokens": max_tokens})
+        if self.process.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError("the in-process reference failed to start (see its stderr)")
+
+    def send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def __call__(self, concurrency: int, repeat: int = 0, progress: tqdm | None = None
+                 ) -> LevelResult:
+        self.send({"concurrency": concurrency, "repeat": repeat})
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the in-process reference exited (see its stderr)")
+        if progress is not None:
+            progress.update(self.requests)
+        return LevelResult(**json.loads(line))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the reference stops at the end of its input
+            try:
+                self.process.wait(60)
+            except BaseException:
+                self.process.kill()
+                self.process.wait()
+
+
 def run_loadtest(url: str, prompts: list[str], levels: list[int], requests: int,
-                 max_tokens: int, repeats: int = 1) -> list[LevelResult]:
-    """Every level ``repeats`` times, the levels in turn; results in run order."""
-    complete(url, prompts[0], 4)  # warm-up
+                 max_tokens: int, repeats: int = 1, protocol: str = "grpc",
+                 reference: Callable[..., LevelResult] | None = None,
+                 timeout: float = 300, model: str = "paradraft") -> list[LevelResult]:
+    """Every level ``repeats`` times, the levels in turn; with a ``reference``
+    (``reference(concurrency=, repeat=, progress=) -> LevelResult``: ``run_reference`` with
+    the rest bound), each served level is followed by its in-process twin, so a slow spell
+    hits both alike. Results in run order."""
+    send, close = requester(protocol, url, timeout, model)
+    try:
+        send(prompts[0], 4)  # warm-up
+    finally:
+        close()
     out = []
-    with tqdm(total=requests * len(levels) * repeats, desc="loadtest", unit="req") as bar:
+    runs = requests * len(levels) * repeats * (2 if reference else 1)
+    with tqdm(total=runs, desc="loadtest", unit="req") as bar:
         for r in range(repeats):
             for c in levels:
-                out.append(run_level(url, prompts, c, requests, max_tokens, bar, r))
+                out.append(run_level(url, prompts, c, requests, max_tokens, bar, r, protocol,
+                                     timeout, model))
+                if reference is not None:
+                    out.append(reference(concurrency=c, repeat=r, progress=bar))
     return out
 
 
 def summarize(results: list[LevelResult]) -> dict:
-    """Per level: median tokens/s over repeats and its range; per level above the first:
-    the median over repeats of its tokens/s over the first level's in the same repeat."""
-    levels = list(dict.fromkeys(r.concurrency for r in results))
-    tps = {c: {r.repeat: r.tokens_per_second for r in results if r.concurrency == c}
+    """Per level: median tokens/s over repeats; per level above the first: the median over
+    repeats of its tokens/s over the first level's in the same repeat; with in-process rows,
+    per level the median over repeats of served / in-process tokens/s."""
+    served = [r for r in results if r.protocol != REFERENCE]
+    levels = list(dict.fromkeys(r.concurrency for r in served))
+    tps = {c: {r.repeat: r.tokens_per_second for r in served if r.concurrency == c}
            for c in levels}
     base = levels[0]
     out: dict = {}
@@ -142,8 +424,16 @@ def summarize(results: list[LevelResult]) -> dict:
             out[f"c{c}_vs_c{base}_per_repeat"] = ratios
     out["tokens_per_second_median"] = {f"c{c}": statistics.median(tps[c].values())
                                        for c in levels}
-    out["errors"] = sum(r.errors for r in results)
-    out["lost"] = sum(r.lost for r in results)
+    local = {c: {r.repeat: r.tokens_per_second for r in results
+                 if r.protocol == REFERENCE and r.concurrency == c} for c in levels}
+    if any(local.values()):
+        out["in_process_tokens_per_second_median"] = {
+            f"c{c}": statistics.median(local[c].values()) for c in levels if local[c]}
+        out["served_vs_in_process"] = {
+            f"c{c}": statistics.median(tps[c][i] / local[c][i] for i in tps[c] if i in local[c])
+            for c in levels if local[c]}
+    out["errors"] = sum(r.errors for r in served)
+    out["lost"] = sum(r.lost for r in served)
     return out
 
 
@@ -158,12 +448,15 @@ def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for rep in sorted({r.repeat for r in results}):
-        runs = [r for r in results if r.repeat == rep]
-        a1.plot([r.concurrency for r in runs], [r.tokens_per_second for r in runs], marker="o",
-                label=f"repeat {rep + 1}")
+        for kind, style in [("served", "-"), (REFERENCE, "--")]:
+            runs = [r for r in results if r.repeat == rep
+                    and (r.protocol == REFERENCE) == (kind == REFERENCE)]
+            if runs:
+                a1.plot([r.concurrency for r in runs], [r.tokens_per_second for r in runs],
+                        style, marker="o", label=f"{runs[0].protocol}, repeat {rep + 1}")
     a1.set(xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
-    a1.legend()
-    runs = [r for r in results if r.repeat == 0]
+    a1.legend(fontsize=7)
+    runs = [r for r in results if r.repeat == 0 and r.protocol != REFERENCE]
     c = [r.concurrency for r in runs]
     a2.plot(c, [r.ttft_p50_ms for r in runs], marker="o", label="TTFT p50")
     a2.plot(c, [r.ttft_p99_ms for r in runs], marker="o", label="TTFT p99")
@@ -178,11 +471,13 @@ def write_outputs(results: list[LevelResult], out_dir: Path, meta: dict) -> dict
 
 
 def print_results(results: list[LevelResult]) -> None:
-    print(f"{'rep':>3s} {'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} {'tok/s':>8s} "
-          f"{'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} {'accept':>6s} "
-          f"{'client CPU':>10s}")
+    print(f"{'protocol':>10s} {'rep':>3s} {'conc':>4s} {'req':>4s} {'err':>3s} {'lost':>4s} "
+          f"{'tok/s':>8s} {'TTFT p50':>9s} {'p99':>7s} {'ITL p50':>8s} {'p99':>7s} "
+          f"{'accept':>6s} {'client CPU':>10s}")
     for r in results:
-        print(f"{r.repeat + 1:3d} {r.concurrency:4d} {r.requests:4d} {r.errors:3d} {r.lost:4d} "
-              f"{r.tokens_per_second:8.1f} {r.ttft_p50_ms:8.0f}ms {r.ttft_p99_ms:6.0f}ms "
-              f"{r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms {r.acceptance_rate:6.2f} "
-              f"{r.client_cpu_share:9.2f}c")
+        print(f"{r.protocol:>10s} {r.repeat + 1:3d} {r.concurrency:4d} {r.requests:4d} "
+              f"{r.errors:3d} {r.lost:4d} {r.tokens_per_second:8.1f} {r.ttft_p50_ms:8.0f}ms "
+              f"{r.ttft_p99_ms:6.0f}ms {r.itl_p50_ms:7.1f}ms {r.itl_p99_ms:6.1f}ms "
+              f"{r.acceptance_rate:6.2f} {r.client_cpu_share:9.2f}c")
+    for e in sorted({m for r in results for m in r.error_messages})[:5]:
+        print(f"  {e}")

@@ -1,28 +1,52 @@
 """Triton Python model (decoupled): the speculative decoder behind an in-flight scheduler.
 
 execute() validates each request, hands it to the scheduler and returns at once; the
-scheduler thread streams responses as rounds complete, through one sender thread: each
-send (and metric update) is an IPC round trip to the server process (~0.3 ms), which the
-sender thread overlaps with the next round's compute instead of stalling the batch.
-Request parsing and the decoder set-up are paradraft.runtime.serving.protocol's (tested in
-process); this file only adapts them to Triton."""
+scheduler thread streams responses as rounds complete, through one sender thread. Every
+send, metric update and cancellation query is an IPC round trip to the server process
+(measured on the CPU build: send ~0.15 ms, a metric update ~0.02 ms, is_cancelled ~0.03 ms),
+which the sender thread overlaps with the next round's compute instead of stalling the batch.
 
+The model detokenises its own output (incrementally, special tokens left out), so each
+response leaves with its text and the ensemble needs no postprocessing model: one IPC hop
+per response instead of three. Request parsing, detokenisation and the decoder set-up are
+paradraft.runtime.serving.protocol's (tested in process); this file only adapts them to
+Triton."""
+
+import functools
 import json
+import locale
 import queue
 import site
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# error classes (pb_utils.TritonError's codes; the stub defines TritonError only once a model
+# loads, so they are looked up by name): the HTTP endpoint answers 400 / 503 / 500, a gRPC
+# stream opened with the header triton_grpc_error: true closes with INVALID_ARGUMENT /
+# UNAVAILABLE / INTERNAL
+INVALID, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
 LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 17.0]
+# how often a running request's response sender is asked whether the client cancelled (an
+# IPC round trip, made by the sender thread); the answer is a flag the scheduler reads free
+CANCEL_POLL_S = 0.05
+# the live metrics go out at most this often while requests run (every flush is one IPC round
+# trip per metric that moved: 2 + 2K counters a round would cost a c1 round ~5 %), and at once
+# when a request finishes
+METRICS_FLUSH_S = 0.05
 
 
 class Metrics:
-    """Custom Prometheus metrics on Triton's metrics port."""
+    """Custom Prometheus metrics on Triton's metrics port, updated every round.
 
-    def __init__(self):
+    The scheduler thread adds each round's deltas here (no IPC); the sender thread sends
+    them (``flush``), one flush at a time: rounds that finish while a flush is queued are
+    folded into it, so a busy server sends fewer, larger updates."""
+
+    def __init__(self, k, slots):
         self.families = []  # a MetricFamily must outlive its Metrics: keep them all
 
         def family(name, kind, text):
@@ -39,17 +63,25 @@ class Metrics:
                                 "verify steps that rejected a draft token").Metric(labels=labels)
         self.requests = family("paradraft_requests_total", counter,
                                "requests finished").Metric(labels=labels)
+        by_drafted = family("paradraft_draft_tokens_by_position_total", counter,
+                            "draft tokens proposed at each block position (1 = first)")
+        by_accepted = family("paradraft_accepted_tokens_by_position_total", counter,
+                             "draft tokens accepted at each block position (1 = first)")
+        self.drafted_at = [by_drafted.Metric(labels={**labels, "position": str(i + 1)})
+                           for i in range(k)]
+        self.accepted_at = [by_accepted.Metric(labels={**labels, "position": str(i + 1)})
+                            for i in range(k)]
         self.active = family("paradraft_active_sequences", gauge,
-                             "sequences in the running batch").Metric(labels=labels)
+                             "sequences in the running batch (KV-cache slots in use)"
+                             ).Metric(labels=labels)
         self.queued = family("paradraft_queue_depth", gauge,
                              "requests waiting for a slot").Metric(labels=labels)
-        self.last_state = None
+        family("paradraft_slots", gauge, "KV-cache slots (the largest running batch)").Metric(
+            labels=labels).set(slots)
         kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
         self.length_hist = None
         self.length_counts = None
         if kind is not None:
-            # per request, not per step: a metric update is a round trip to the server
-            # process, too dear for every request in every round
             self.length_hist = family(
                 "paradraft_acceptance_length", kind,
                 "per finished request: its tokens gained per verify step (accepted + 1)"
@@ -59,22 +91,104 @@ class Metrics:
                          "finished requests by tokens gained per verify step")
             self.length_counts = {b: fam.Metric(labels={**labels, "length": str(b)})
                                   for b in LENGTH_BUCKETS}
+        self.k = k
+        self.lock = threading.Lock()
+        self.pending = self.empty()
+        self.flush_queued = False
+        self.last_flush = 0.0
+        self.sent_state = None
 
-    def set_state(self, state):
-        """The active / queue gauges, sent only when they change: every metric call is a
-        round trip from this stub to the server process, and these are called per response."""
-        now = (state["active"], state["queued"])
-        if now != self.last_state:
-            self.active.set(now[0])
-            self.queued.set(now[1])
-            self.last_state = now
+    def empty(self):
+        return {"drafted": 0, "accepted": 0, "rollbacks": 0, "requests": 0, "lengths": [],
+                "drafted_at": [0] * self.k, "accepted_at": [0] * self.k, "state": None}
 
-    def observe_length(self, n):
-        if self.length_hist is not None:
-            self.length_hist.observe(float(n))
-        else:
-            bucket = min((b for b in LENGTH_BUCKETS if b >= n), default=LENGTH_BUCKETS[-1])
-            self.length_counts[bucket].increment(1)
+    def add(self, drafted=0, accepted=0, rollbacks=0, drafted_at=(), accepted_at=(),
+            scheduler=None, length=None, now=False):
+        """Fold deltas in (and the scheduler's running / queued counts, read under this lock
+        so that a slow caller cannot overwrite a newer reading with an older one); True when
+        the caller must queue a ``flush``: none is queued, and the last went out at least
+        METRICS_FLUSH_S ago (or ``now``). Deltas held back go out with the next flush."""
+        with self.lock:
+            p = self.pending
+            p["drafted"] += drafted
+            p["accepted"] += accepted
+            p["rollbacks"] += rollbacks
+            for i, n in enumerate(drafted_at):
+                p["drafted_at"][i] += n
+            for i, n in enumerate(accepted_at):
+                p["accepted_at"][i] += n
+            if scheduler is not None:
+                state = scheduler.stats()
+                p["state"] = (state["active"], state["queued"])
+            if length is not None:
+                p["requests"] += 1
+                p["lengths"].append(length)
+            due = now or time.perf_counter() - self.last_flush >= METRICS_FLUSH_S
+            queue_it = due and not self.flush_queued
+            self.flush_queued = self.flush_queued or queue_it
+        return queue_it
+
+    def flush(self):
+        with self.lock:
+            p, self.pending, self.flush_queued = self.pending, self.empty(), False
+            self.last_flush = time.perf_counter()
+        for metric, n in [(self.drafted, p["drafted"]), (self.accepted, p["accepted"]),
+                          (self.rollbacks, p["rollbacks"]), (self.requests, p["requests"]),
+                          *zip(self.drafted_at, p["drafted_at"], strict=True),
+                          *zip(self.accepted_at, p["accepted_at"], strict=True)]:
+            if n:  # only what moved: every call is a round trip to the server process
+                metric.increment(n)
+        state = p["state"]
+        if state is not None and state != self.sent_state:
+            self.active.set(state[0])
+            self.queued.set(state[1])
+            self.sent_state = state
+        for n in p["lengths"]:
+            if self.length_hist is not None:
+                self.length_hist.observe(float(n))
+            else:
+                bucket = min((b for b in LENGTH_BUCKETS if b >= n), default=LENGTH_BUCKETS[-1])
+                self.length_counts[bucket].increment(1)
+
+
+class Stream:
+    """One request between the scheduler thread (which appends its tokens) and the sender
+    thread (which detokenises and sends them)."""
+
+    def __init__(self, parsed, sender, detokenizer, request_id, k):
+        self.parsed = parsed
+        self.sender = sender
+        self.detokenizer = detokenizer
+        self.request_id = request_id
+        self.tokens = []
+        self.queued = 0  # tokens already handed to the sender thread
+        self.slot = None
+        self.seen = (0, 0, 0, [0] * k, [0] * k)  # counters at the last round: metric deltas
+        self.stopped = False  # a stop request or the client's cancellation; read by the scheduler
+        self.last_poll = self.last_read = time.perf_counter()
+        self.poll_queued = False
+
+
+def response(wanted, text, ids, length, stats=None, reason=""):
+    """The outputs the request asked for (an ensemble step asks for the ones it maps; a
+    client for its requested outputs, or all): building and sending each tensor is the
+    costliest part of a response. ``stats``: the final response's (accepted, drafted)."""
+    values = {"text_output": ([text.encode()], np.object_), "output_ids": (ids, np.int32),
+              "sequence_length": ([length], np.int32)}
+    if stats is not None:
+        accepted, drafted = stats
+        values.update(
+            acceptance_rate=([accepted / drafted if drafted else 0.0], np.float32),
+            total_accepted_draft_tokens=([accepted], np.int32),
+            total_draft_tokens=([drafted], np.int32), finish_reason=([reason.encode()], np.object_))
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor(name, np.array([value], dtype=dtype))
+        for name, (value, dtype) in values.items() if wanted is None or name in wanted])
+
+
+def error(message, code):
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
 
 
 class TritonPythonModel:
@@ -82,15 +196,22 @@ class TritonPythonModel:
         params = {k: v["string_value"]
                   for k, v in json.loads(args["model_config"])["parameters"].items()}
         site.addsitedir(params["site_packages"])  # the project's venv (.pth files included)
+        # the stub embeds Python without setting a locale, so open() without an encoding
+        # would read ASCII; take the environment's (C.UTF-8, en_US.UTF-8, ...)
+        locale.setlocale(locale.LC_CTYPE, "")
+        from tokenizers import Tokenizer
+
         from paradraft.runtime.scheduler import QueueFull, Request
         from paradraft.runtime.serving import protocol
 
         self.protocol, self.Request, self.QueueFull = protocol, Request, QueueFull
         with open(params["model_config"]) as f:
             self.config = protocol.ServeConfig(**json.load(f))
+        self.tokenizer = Tokenizer.from_file(params["tokenizer_path"])
         self.scheduler = protocol.build_scheduler(self.config)
-        self.metrics = Metrics()
-        self.live = {}  # request id -> its stop flag, for requests running or queued
+        self.k = max(self.config.k, 1)
+        self.metrics = Metrics(self.k, self.config.max_slots)
+        self.live = {}  # request id -> its Stream, for requests running or queued
         # FIFO: one thread keeps every request's responses in order (final one last)
         self.outbox = queue.SimpleQueue()
         self.sender_thread = threading.Thread(target=self.send_loop, name="paradraft-sender",
@@ -111,24 +232,31 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                wanted = set(request.requested_output_names()) or None
                 stop = pb_utils.get_input_tensor_by_name(request, "stop")
                 if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
-                    self.stop(request.request_id(), sender)
+                    self.stop(request.request_id(), sender, wanted)
                     continue
                 inputs = {}
                 for name in self.protocol.REQUEST_INPUTS:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
+                    tensor_ = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor_ is not None:
+                        inputs[name] = tensor_.as_numpy()
                 parsed = self.protocol.parse_request(inputs, self.config)
-                self.scheduler.submit(self.make_request(parsed, sender,
+                self.scheduler.submit(self.make_request(parsed, sender, wanted,
                                                         request.request_id()))
-            except (ValueError, self.QueueFull) as e:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
-                            flags=FINAL)
+                self.note_state()  # the queue depth moves at once, not at the next round
+            except ValueError as e:
+                sender.send(error(str(e), INVALID), flags=FINAL)
+            except (self.QueueFull, RuntimeError) as e:  # full, or shutting down: retry later
+                sender.send(error(str(e), UNAVAILABLE), flags=FINAL)
         return None
 
-    def stop(self, request_id, sender):
+    def note_state(self):
+        if self.metrics.add(scheduler=self.scheduler):
+            self.outbox.put(self.metrics.flush)
+
+    def stop(self, request_id, sender, wanted):
         """TensorRT-LLM's way to end a request: the same request id with ``stop`` true. It
         reaches this model through the ensemble, which a client's stream cancellation does
         not on Triton 2.51. The stopped request ends with a final response; so does this."""
@@ -137,78 +265,88 @@ class TritonPythonModel:
         stopped = self.live.get(request_id)
         if stopped is None:
             raise ValueError(f"stop: no request with id {request_id!r} is running or queued")
-        stopped[0] = True  # the scheduler drops it at its next cancellation check
-        empty = np.zeros((1, 0), dtype=np.int32)
-        zero = np.zeros((1, 1), dtype=np.int32)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("output_ids", empty), pb_utils.Tensor("prev_length", zero),
-            pb_utils.Tensor("is_final", np.ones((1, 1), dtype=np.bool_)),
-            pb_utils.Tensor("acceptance_rate", np.zeros((1, 1), dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", zero),
-            pb_utils.Tensor("total_draft_tokens", zero),
-            pb_utils.Tensor("sequence_length", zero)]), flags=FINAL)
+        stopped.stopped = True  # the scheduler drops it at its next cancellation check
+        sender.send(response(wanted, "", [], 0, (0, 0)), flags=FINAL)
 
-    def make_request(self, parsed, sender, request_id=""):
-        tokens, sent, queued, stopped = [], [0], [0], [False]
-        metrics, scheduler, live, outbox = self.metrics, self.scheduler, self.live, self.outbox
-        interval = self.config.stream_interval
+    def account(self, s, stats, length=None):
+        """Fold a request's counters since they were last read into the metrics (scheduler
+        thread: the decoder's counters are only read there). ``length``: the request
+        finished (its acceptance length goes into the histogram; flushed at once)."""
+        now = (stats.draft_tokens, stats.accepted_tokens, stats.rollbacks,
+               stats.drafted_per_position, stats.accepted_per_position)
+        before, s.seen = s.seen, now
+        if self.metrics.add(now[0] - before[0], now[1] - before[1], now[2] - before[2],
+                            [a - b for a, b in zip(now[3], before[3], strict=False)],
+                            [a - b for a, b in zip(now[4], before[4], strict=False)],
+                            self.scheduler, length, now=length is not None):
+            self.outbox.put(self.metrics.flush)
+
+    def make_request(self, parsed, sender, wanted=None, request_id=""):
+        s = Stream(parsed, sender, self.protocol.Detokenizer(self.tokenizer, parsed.prompt),
+                   request_id, self.k)
+        scheduler, outbox, interval = self.scheduler, self.outbox, self.config.stream_interval
         if request_id:
-            live[request_id] = stopped  # a later request with the same id takes it over
+            self.live[request_id] = s  # a later request with the same id takes it over
 
-        def response(tokens, final, stats):
-            accepted, drafted = (stats.accepted_tokens, stats.draft_tokens) if stats else (0, 0)
-            rate = accepted / drafted if drafted else 0.0
-            out = [pb_utils.Tensor("output_ids", np.array([tokens], dtype=np.int32)),
-                   pb_utils.Tensor("prev_length", np.array([[sent[0]]], dtype=np.int32)),
-                   pb_utils.Tensor("is_final", np.array([[final]], dtype=np.bool_)),
-                   pb_utils.Tensor("acceptance_rate", np.array([[rate]], dtype=np.float32)),
-                   pb_utils.Tensor("total_accepted_draft_tokens",
-                                   np.array([[accepted]], dtype=np.int32)),
-                   pb_utils.Tensor("total_draft_tokens", np.array([[drafted]], dtype=np.int32)),
-                   pb_utils.Tensor("sequence_length",
-                                   np.array([[len(tokens)]], dtype=np.int32))]
-            sent[0] = len(tokens)
-            return pb_utils.InferenceResponse(output_tensors=out)
+        def on_tokens(new):  # the scheduler thread, once a round
+            s.tokens += new
+            if s.slot is None:
+                s.slot = next(slot for slot, req in scheduler.running.items() if req is me)
+            if parsed.stream and (not s.queued or len(s.tokens) - s.queued >= interval):
+                chunk, s.queued = s.tokens[s.queued:], len(s.tokens)
+                outbox.put(functools.partial(send, chunk, s.queued))
+            now = time.perf_counter()
+            if now - s.last_read >= METRICS_FLUSH_S:  # the slot's counters are cumulative
+                s.last_read = now
+                self.account(s, scheduler.decoder.slot_stats(s.slot))
+            if not s.poll_queued and now - s.last_poll >= CANCEL_POLL_S:
+                s.poll_queued, s.last_poll = True, now
+                outbox.put(poll)
 
-        def on_tokens(new):
-            tokens.extend(new)
-            state = scheduler.stats()
-            outbox.put(lambda: metrics.set_state(state))
-            # the scheduler dropped cancelled requests just before this round: no second
-            # is_cancelled() round trip here
-            if parsed.stream and (not queued[0] or len(tokens) - queued[0] >= interval):
-                queued[0] = len(tokens)
-                snapshot = list(tokens)  # copied only for a response that goes out
-                outbox.put(lambda: sender.send(response(snapshot, False, None)))
+        def send(chunk, length):  # the sender thread, in order
+            sender.send(response(wanted, s.detokenizer.add(chunk), chunk, length))
 
-        def on_done(stats, error):
-            if request_id and live.get(request_id) is stopped:
-                del live[request_id]
-            state, final_tokens = scheduler.stats(), list(tokens)
-            outbox.put(lambda: finish(stats, error, state, final_tokens))
+        def poll():  # the sender thread
+            s.poll_queued = False
+            if sender.is_cancelled():
+                s.stopped = True
 
-        def finish(stats, error, state, tokens):
-            try:
-                if error is not None:
-                    sender.send(pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"generation failed: {error}")), flags=FINAL)
-                elif stats is None:  # cancelled: close the response stream
-                    sender.send(flags=FINAL)
-                else:
-                    metrics.drafted.increment(stats.draft_tokens)
-                    metrics.accepted.increment(stats.accepted_tokens)
-                    metrics.rollbacks.increment(stats.rollbacks)
-                    metrics.requests.increment(1)
-                    metrics.observe_length(stats.mean_acceptance_length)
-                    sender.send(response(tokens, True, stats), flags=FINAL)
-            finally:
-                metrics.set_state(state)
+        def on_done(stats, failure):  # the scheduler thread (or a request's, if dropped queued)
+            if request_id and self.live.get(request_id) is s:
+                del self.live[request_id]
+            if stats is not None:
+                self.account(s, stats, stats.mean_acceptance_length)
+            else:
+                self.note_state()
+            outbox.put(functools.partial(finish, stats, failure, s.tokens[s.queued:],
+                                         list(s.tokens)))
 
-        return self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
-                            on_done, num_draft_tokens=parsed.num_draft_tokens,
-                            seed=parsed.seed, eos_token_id=parsed.eos_token_id,
-                            is_cancelled=lambda: stopped[0] or sender.is_cancelled(),
-                            stop_sequences=parsed.stop_sequences)
+        def finish(stats, failure, chunk, tokens):  # the sender thread
+            if failure is None and stats is not None:
+                try:
+                    text = s.detokenizer.add(chunk) + s.detokenizer.finish()
+                    last = response(wanted, text, chunk, len(tokens),
+                                    (stats.accepted_tokens, stats.draft_tokens),
+                                    self.protocol.finish_reason(tokens, parsed))
+                except Exception as e:  # every request must end with a final response:
+                    failure = e  # Triton waits for it before the model can unload
+            if failure is not None:
+                sender.send(error(f"generation failed: {failure}", INTERNAL), flags=FINAL)
+            elif stats is None:  # cancelled or stopped: close the response stream
+                sender.send(flags=FINAL)
+            else:
+                sender.send(last, flags=FINAL)
+
+        me = self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
+                          on_done, num_draft_tokens=parsed.num_draft_tokens,
+                          seed=parsed.seed, eos_token_id=parsed.eos_token_id,
+                          # a running request's flag is polled by the sender thread; a
+                          # queued one is asked directly (only at admission, or when the
+                          # queue is full)
+                          is_cancelled=lambda: s.stopped or (s.slot is None
+                                                             and sender.is_cancelled()),
+                          stop_sequences=parsed.stop_sequences)
+        return me
 
     def finalize(self):
         self.scheduler.stop()

@@ -9,6 +9,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def invalid():
+    """The error code of a bad request (HTTP 400, gRPC INVALID_ARGUMENT); the stub defines
+    TritonError only once a model loads."""
+    return pb_utils.TritonError.INVALID_ARG
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"]
@@ -73,12 +79,13 @@ class TritonPythonModel:
                 ids = self.encode(request)
             except ValueError as e:
                 responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"text_input: {e}")))
+                    error=pb_utils.TritonError(f"text_input: {e}", invalid())))
                 continue
             try:
                 stop_ids, stop_lengths = self.stop_words(request)
             except ValueError as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), invalid())))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),

@@ -1,0 +1,665 @@
+"""OpenAI-compatible HTTP API (FastAPI + uvicorn) in front of the Triton deployment.
+
+``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``, streamed (server-sent
+events ending with ``data: [DONE]``) or not. The API tokenises the prompt itself (chat: the
+verifier's chat template, ``checkpoints.format_chat``) and calls the decoupled ``paradraft``
+model straight over one gRPC stream per request, with token ids in and text out: no
+preprocessing hop, and a client that goes away cancels its gRPC stream, which frees the slot
+(a cancelled ensemble stream does not reach the model on Triton 2.51).
+
+Every request field is either honoured, accepted because it changes nothing (``user``,
+``metadata``, ``store``, ``service_tier``, ``stream_options``), or refused with a 400 naming
+it. Speculation statistics ride along in a ``paradraft`` object next to ``usage``. The app
+runs in its own process (``start_openai_server``), so a load generator or a test never shares
+its interpreter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
+
+MODEL = "paradraft"  # the Triton model the API calls (token ids in, text out)
+MAX_STOP = 16  # stop strings per request
+RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
+# fields accepted because they change nothing in the output
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "stream_options",
+             "parallel_tool_calls"}
+COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+          # extra body fields: ours (speculation and the correction rule), and vLLM's
+          "num_draft_tokens", "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta",
+          "ignore_eos", "top_k", "min_tokens", "repetition_penalty"}
+FIELDS = {
+    "completions": COMMON | NO_EFFECT | {"prompt", "best_of", "echo", "suffix"},
+    "chat": COMMON | NO_EFFECT | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                  "tool_choice", "functions", "function_call",
+                                  "response_format"},
+}
+RULE_PARAMETERS = ("tau", "gamma", "alpha", "epsilon", "delta")
+OUTPUTS = ("text_output", "sequence_length", "total_accepted_draft_tokens", "total_draft_tokens",
+           "finish_reason")
+
+
+@dataclass
+class OpenAIConfig:
+    grpc_url: str  # the Triton server's gRPC address
+    tokenizer_dir: str  # tokenizer.json, and for chat tokenizer_config.json / a chat template
+    max_seq_len: int  # prompt + output tokens per request (the server's --max-seq-len)
+    served_model_name: str = "paradraft"  # the id /v1/models lists and requests must name
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclass
+class Job:
+    """One validated request: the prompt's token ids and the Triton inputs for it."""
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    inputs: dict[str, tuple[str, object]] = field(default_factory=dict)  # name -> (type, value)
+
+
+# -- request validation: plain functions over the JSON body ------------------------------------
+
+def number(body: dict, name: str, low: float, high: float, low_open: bool = False
+           ) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(name, f"{name} must be a number; got {value!r}")
+    if not (low < value if low_open else low <= value) or value > high:
+        bracket = "(" if low_open else "["
+        raise invalid(name, f"{name} must be in {bracket}{low:g}, {high:g}]; got {value}")
+    return float(value)
+
+
+def integer(body: dict, name: str, low: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"{name} must be an integer; got {value!r}")
+    if low is not None and value < low:
+        raise invalid(name, f"{name} must be an integer >= {low}; got {value}")
+    return value
+
+
+def refuse_unless(body: dict, name: str, ok, allowed: str) -> None:
+    """Refuse a field that would change the output at any value but the neutral ones."""
+    if name in body and body[name] is not None and not ok(body[name]):
+        raise invalid(name, f"{name} is not supported by paradraft (allowed: {allowed}); "
+                            f"got {body[name]!r}")
+
+
+def check_fields(body: dict, kind: str) -> None:
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise invalid(unknown[0], f"unsupported field {unknown[0]!r}: paradraft refuses fields "
+                                  "it would otherwise ignore")
+    refuse_unless(body, "n", lambda v: v == 1 and not isinstance(v, bool), "1")
+    refuse_unless(body, "best_of", lambda v: v == 1 and not isinstance(v, bool), "1")
+    refuse_unless(body, "echo", lambda v: v is False, "false")
+    refuse_unless(body, "suffix", lambda v: v == "", "an empty string")
+    refuse_unless(body, "logprobs", lambda v: v is False, "false or null")
+    refuse_unless(body, "top_logprobs", lambda v: v == 0 and not isinstance(v, bool), "0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        refuse_unless(body, name, lambda v: v == 0 and not isinstance(v, bool), "0")
+    refuse_unless(body, "logit_bias", lambda v: v == {}, "{}")
+    refuse_unless(body, "tools", lambda v: v == [], "[] (no tool calls)")
+    refuse_unless(body, "functions", lambda v: v == [], "[] (no function calls)")
+    refuse_unless(body, "tool_choice", lambda v: v == "none", '"none"')
+    refuse_unless(body, "function_call", lambda v: v == "none", '"none"')
+    refuse_unless(body, "response_format", lambda v: v == {"type": "text"},
+                  '{"type": "text"}')
+    refuse_unless(body, "top_k", lambda v: v in (-1, 0, 1) and not isinstance(v, bool),
+                  "-1 or 0 (off), 1 (greedy)")
+    refuse_unless(body, "min_tokens", lambda v: v in (0, 1) and not isinstance(v, bool), "0, 1")
+    refuse_unless(body, "repetition_penalty", lambda v: v == 1 and not isinstance(v, bool), "1")
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise invalid("stop", f"stop must be a string or a list of strings; got {stop!r}")
+    if len(words) > MAX_STOP:
+        raise invalid("stop", f"stop must hold at most {MAX_STOP} strings; got {len(words)}")
+    return [w for w in words if w]
+
+
+def prompt_ids(body: dict, tokenizer) -> list[int]:
+    """``prompt``: a string, or token ids, or a list holding one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "prompt is empty")
+        return tokenizer.encode(prompt).ids
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise invalid("prompt", f"prompt token ids must be in [0, {vocab - 1}]")
+        return prompt
+    raise invalid("prompt", "prompt must be one non-empty string or one list of token ids "
+                            f"(one prompt per request); got {str(prompt)[:80]!r}")
+
+
+def chat_prompt(body: dict, chat_dir: str) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "messages must be a non-empty list")
+    flat = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid("messages", f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else part
+                    raise invalid("messages", f"messages[{i}].content: only text parts are "
+                                              f"supported; got {kind!r}")
+                texts.append(str(part.get("text", "")))
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid("messages", f"messages[{i}].content must be a string or a list of "
+                                      "text parts")
+        flat.append({**message, "content": content})
+    try:
+        return format_chat(chat_dir, flat, add_generation_prompt=True)
+    except ValueError as e:  # no template, or the template refused the messages
+        raise invalid("messages", str(e)) from None
+
+
+def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
+              chat_stop_ids: tuple[int, ...]) -> Job:
+    """Validate one request body (``kind``: ``completions`` or ``chat``) into a Job."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    check_fields(body, kind)
+    model = body.get("model")
+    if model != config.served_model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                            f"{config.served_model_name!r}", "model", "not_found_error")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"stream must be a boolean; got {stream!r}")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise invalid("stream_options", "stream_options must be an object, and only with "
+                                        "stream true")
+    include_usage = bool((options or {}).get("include_usage", False))
+    chat = kind == "chat"
+    if chat:
+        ids = tokenizer.encode(chat_prompt(body, config.tokenizer_dir),
+                               add_special_tokens=False).ids  # the template wrote them
+    else:
+        ids = prompt_ids(body, tokenizer)
+    if not 1 <= len(ids) < config.max_seq_len:
+        raise invalid("messages" if chat else "prompt",
+                      f"the prompt is {len(ids)} tokens; allowed 1..{config.max_seq_len - 1}")
+    room = config.max_seq_len - len(ids)
+    name = "max_tokens"
+    max_tokens = integer(body, "max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        name, max_tokens = "max_completion_tokens", integer(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = room if chat else min(16, room)  # OpenAI's defaults
+    if not 1 <= max_tokens <= room:
+        raise invalid(name, f"{name} must be in [1, {room}] for this prompt ({len(ids)} "
+                            f"tokens, max_seq_len {config.max_seq_len}); got {max_tokens}")
+    inputs: dict[str, tuple[str, object]] = {
+        "input_ids": ("INT32", ids), "input_lengths": ("INT32", [len(ids)]),
+        "max_tokens": ("INT32", [max_tokens]), "stream": ("BOOL", [stream])}
+    temperature = number(body, "temperature", 0.0, 100.0)
+    top_p = number(body, "top_p", 0.0, 1.0, low_open=True)
+    rule = body.get("correction_rule")
+    if rule is not None and not isinstance(rule, str):
+        raise invalid("correction_rule", f"correction_rule must be a string; got {rule!r}")
+    if temperature == 0.0 or body.get("top_k") == 1:  # OpenAI's greedy
+        if rule not in (None, "greedy"):
+            raise invalid("correction_rule", f"temperature 0 (greedy) and correction_rule "
+                                             f"{rule!r} contradict each other")
+        rule = "greedy"
+    else:
+        if temperature is not None:
+            inputs["temperature"] = ("FP32", [temperature])
+        if top_p is not None:
+            inputs["top_p"] = ("FP32", [top_p])
+    if rule is not None:
+        inputs["correction_rule"] = ("BYTES", [rule.encode()])
+    for name in RULE_PARAMETERS:
+        value = number(body, name, -1e9, 1e9)
+        if value is not None:
+            inputs[name] = ("FP32", [value])
+    seed = integer(body, "seed")
+    if seed is not None:
+        inputs["random_seed"] = ("UINT64", [seed % 2**64])
+    k = integer(body, "num_draft_tokens", 0)
+    if k is not None:  # 0: this request decodes without speculation
+        inputs["num_draft_tokens"] = ("INT32", [k])
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"ignore_eos must be a boolean; got {ignore_eos!r}")
+    if ignore_eos:
+        inputs["end_id"] = ("INT32", [-1])
+    if chat and chat_stop_ids:  # the end-of-turn markers end the reply (one-token stop words)
+        inputs["stop_words_ids"] = ("INT32", list(chat_stop_ids))
+        inputs["stop_words_lengths"] = ("INT32", [1] * len(chat_stop_ids))
+    return Job(chat, ids, max_tokens, stream, include_usage, stop_strings(body), inputs)
+
+
+# -- the gRPC call ---------------------------------------------------------------------------
+
+def infer_request(job: Job, request_id: str):
+    """A ModelInferRequest for the paradraft model (raw little-endian tensors, batch dim 1)."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name in OUTPUTS:  # not output_ids: every tensor a response carries costs time
+        request.outputs.add(name=name)
+    dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+    for name, (datatype, values) in job.inputs.items():
+        request.inputs.add(name=name, datatype=datatype, shape=[1, len(values)])
+        if datatype == "BYTES":
+            raw = b"".join(struct.pack("<I", len(v)) + v for v in values)
+        else:
+            raw = np.asarray(values, dtype=dtypes[datatype]).tobytes()
+        request.raw_input_contents.append(raw)
+    return request
+
+
+@dataclass
+class Piece:
+    """What one Triton response adds."""
+
+    text: str
+    tokens: int  # tokens generated so far
+    accepted: int
+    drafted: int
+    finish_reason: str  # "" until the final response
+
+
+def read_response(response) -> Piece:
+    out = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        out[tensor.name] = (tensor.datatype, raw)
+
+    def scalar(name, dtype):
+        return np.frombuffer(out[name][1], dtype=dtype)[0].item() if name in out else 0
+
+    def text(name):
+        if name not in out or len(out[name][1]) < 4:
+            return ""
+        (n,) = struct.unpack_from("<I", out[name][1])
+        return out[name][1][4: 4 + n].decode("utf-8", "replace")
+
+    return Piece(text("text_output"), scalar("sequence_length", np.int32),
+                 scalar("total_accepted_draft_tokens", np.int32),
+                 scalar("total_draft_tokens", np.int32), text("finish_reason"))
+
+
+def error_from_grpc(error) -> ApiError:
+    """A Triton error (the stream asked for status codes) as an HTTP error."""
+    import grpc
+
+    code, message = error.code(), error.details() or str(error)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, message)
+    if code == grpc.StatusCode.UNAVAILABLE:  # queue full, or the server is not there
+        return ApiError(503, message, kind="server_error")
+    return ApiError(500, message, kind="server_error")
+
+
+class StopMatcher:
+    """OpenAI's ``stop``: the output ends before the first stop string, which is left out.
+    Text that could still become a stop string is held back until it cannot."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, piece: str, final: bool) -> tuple[str, bool]:
+        """The text that may go out now, and whether a stop string ended the output."""
+        self.text += piece
+        if not self.stop:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, False
+        # text before ``sent`` went out, so it cannot hold the start of a stop string
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+        if hits:
+            out = self.text[self.sent:min(hits)]
+            self.sent = len(self.text)
+            return out, True
+        hold = 0 if final else max((k for s in self.stop for k in range(1, len(s))
+                                    if self.text.endswith(s[:k])), default=0)
+        end = len(self.text) - hold
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out, False
+
+
+async def generate(stub, job: Job) -> AsyncIterator[Piece]:
+    """Run the job on Triton; yield the text as it comes, the final piece last (its
+    ``finish_reason`` set). Cancelling the iteration cancels the gRPC stream, and with it
+    the request on the server."""
+    request = infer_request(job, uuid.uuid4().hex)
+
+    async def requests():
+        yield request
+
+    call = stub.ModelStreamInfer(requests(), metadata=(("triton_grpc_error", "true"),))
+    matcher = StopMatcher(job.stop)
+    finished = False
+    try:
+        async for response in call:
+            if response.error_message:
+                raise ApiError(500, response.error_message, kind="server_error")
+            final = response.infer_response.parameters["triton_final_response"].bool_param
+            if not response.infer_response.outputs:  # the empty final response
+                if final:
+                    break
+                continue
+            piece = read_response(response.infer_response)
+            piece.text, stopped = matcher.feed(piece.text, final)
+            finished = final
+            if stopped:
+                piece.finish_reason = "stop"
+                yield piece
+                return  # the finally cancels the rest of the generation
+            yield piece
+            if final:
+                return
+        finished = True
+        raise ApiError(500, "the server ended the stream without a final response",
+                       kind="server_error")
+    except Exception as e:
+        import grpc
+
+        if isinstance(e, grpc.aio.AioRpcError):
+            raise error_from_grpc(e) from None
+        raise
+    finally:
+        if not finished:  # the client went away, or a stop string ended the output early:
+            call.cancel()  # the server drops the request (its slot frees within a round)
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+def usage(job: Job, piece: Piece) -> dict:
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": piece.tokens,
+            "total_tokens": len(job.prompt_ids) + piece.tokens}
+
+
+def spec_stats(piece: Piece) -> dict:
+    """The ``paradraft`` object of a response: this request's speculation so far."""
+    return {"acceptance_rate": piece.accepted / piece.drafted if piece.drafted else 0.0,
+            "accepted_draft_tokens": piece.accepted, "draft_tokens": piece.drafted}
+
+
+def create_app(config: OpenAIConfig):
+    """The FastAPI app; one gRPC channel to Triton, opened on start-up."""
+    from contextlib import asynccontextmanager
+
+    import grpc
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from tritonclient.grpc import service_pb2_grpc
+
+    tokenizer = load_tokenizer(config.tokenizer_dir)
+    try:
+        chat_stop_ids = chat_stop_token_ids(config.tokenizer_dir)
+    except ValueError:  # no chat template: chat requests get the 400 that says so
+        chat_stop_ids = ()
+    state = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        channel = grpc.aio.insecure_channel(config.grpc_url)
+        state["stub"] = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        yield
+        await channel.close()
+
+    app = FastAPI(title="paradraft OpenAI-compatible API", lifespan=lifespan)
+
+    def error_response(e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": config.served_model_name, "object": "model", "created": 0,
+             "owned_by": "paradraft"}]})
+
+    async def handle(request, kind: str):
+        try:
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise invalid(None, "the request body is not valid JSON") from None
+            job = parse_job(body, kind, tokenizer, config, chat_stop_ids)
+            ident = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+            pieces = generate(state["stub"], job)
+            # the first response before any byte goes out: a full queue is still a 503
+            first = await until_disconnect(request, anext(pieces))
+        except ApiError as e:
+            return error_response(e)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        head = {"id": ident, "created": int(time.time()), "model": config.served_model_name}
+        if job.stream:
+            return StreamingResponse(sse(job, head, first, pieces),
+                                     media_type="text/event-stream")
+        try:
+            texts, piece = [first.text], first
+            while not piece.finish_reason:
+                piece = await until_disconnect(request, anext(pieces))
+                texts.append(piece.text)
+        except ApiError as e:
+            return error_response(e)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        finally:
+            await pieces.aclose()
+        text = "".join(texts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": None, "finish_reason": piece.finish_reason} if job.chat else
+                  {"index": 0, "text": text, "logprobs": None,
+                   "finish_reason": piece.finish_reason})
+        return JSONResponse({
+            **head, "object": "chat.completion" if job.chat else "text_completion",
+            "choices": [choice], "usage": usage(job, piece), "paradraft": spec_stats(piece)})
+
+    async def completions(request):
+        return await handle(request, "completions")
+
+    async def chat_completions(request):
+        return await handle(request, "chat")
+
+    # plain Starlette routes: the body is validated by parse_job, which names every field
+    # it refuses, so FastAPI's own validation and dependency injection would only add work
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return app
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def until_disconnect(request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first (then cancel it)."""
+    task = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+async def wait_disconnect(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(job: Job, head: dict, first: Piece, pieces: AsyncIterator[Piece]):
+    """The server-sent events of a streamed response (OpenAI's chunk format). Starlette
+    cancels this generator when the client disconnects; closing ``pieces`` then cancels the
+    gRPC stream."""
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+
+    def chunk(text: str | None, reason: str | None, role: bool = False, **extra) -> str:
+        if job.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        body = {**head, "object": kind, "choices": [choice], **extra}
+        if job.include_usage:
+            body.setdefault("usage", None)
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    async def events():
+        piece = first
+        try:
+            if job.chat:
+                yield chunk(None, None, role=True)
+            while True:
+                if piece.text:
+                    yield chunk(piece.text, None)
+                if piece.finish_reason:
+                    break
+                piece = await anext(pieces)
+            yield chunk(None, piece.finish_reason, paradraft=spec_stats(piece))
+            if job.include_usage:  # OpenAI's usage chunk: no choices
+                last = {**head, "object": kind, "choices": [], "usage": usage(job, piece),
+                        "paradraft": spec_stats(piece)}
+                yield f"data: {json.dumps(last, separators=(',', ':'))}\n\n"
+        except ApiError as e:  # after the headers went out: an error event ends the stream
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            await pieces.aclose()
+        yield "data: [DONE]\n\n"
+
+    return events()
+
+
+# -- the process -------------------------------------------------------------------------------
+
+def serve_forever(config: OpenAIConfig) -> None:
+    """Run the API until SIGINT / SIGTERM (uvicorn's handlers: graceful shutdown)."""
+    import uvicorn
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these
+    # handlers that ends the process normally (exit 0) instead of by the signal
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
+                access_log=False)
+
+
+# started with ``python -c``: a plain subprocess needs no importable __main__ (multiprocessing's
+# spawn would re-import the caller's script)
+ENTRY = ("import json, sys; from paradraft.runtime.serving.openai_api import OpenAIConfig, "
+         "serve_forever; serve_forever(OpenAIConfig(**json.loads(sys.argv[1])))")
+
+
+@dataclass
+class OpenAIServer:
+    process: subprocess.Popen
+    config: OpenAIConfig
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}/v1"
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully
+            try:
+                self.process.wait(timeout)
+            except BaseException:  # slow, or a second Ctrl-C: never leave it up
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_openai_server(config: OpenAIConfig, ready_timeout: float = 120,
+                        log: Path | None = None) -> OpenAIServer:
+    """Start the API in its own process (its own session: the caller stops it, as it does
+    tritonserver) and wait until it answers ``/v1/models``. ``log``: where its output goes."""
+    if not 1 <= config.port <= 65535:
+        raise ValueError(f"openai_port must be in [1, 65535]; got {config.port}")
+    if not (Path(config.tokenizer_dir) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"missing {Path(config.tokenizer_dir) / 'tokenizer.json'}")
+    out = log.open("w") if log is not None else subprocess.DEVNULL
+    process = subprocess.Popen([sys.executable, "-c", ENTRY, json.dumps(asdict(config))],
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = OpenAIServer(process, config)
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = log.read_text()[-3000:] if log is not None else ""
+                raise RuntimeError(f"the OpenAI API server exited with {process.returncode}"
+                                   + (f"; log {log}:\n{tail}" if log is not None else ""))
+            try:
+                with urllib.request.urlopen(f"{server.url}/models", timeout=2) as r:
+                    if r.status == 200:
+                        return server
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the OpenAI API server was not ready after {ready_timeout}s")
+    except BaseException:
+        server.stop()
+        raise

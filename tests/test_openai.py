@@ -1,0 +1,304 @@
+"""The OpenAI-compatible API against a real Triton server on 127.0.0.1 (one of each for the
+module), queried with the official ``openai`` client and raw HTTP."""
+
+import json
+import os
+import threading
+import time
+import urllib.request
+
+import pytest
+from test_triton import HAVE_SERVER, MODELS, free_port, metrics
+
+from paradraft.runtime.checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.drafters import Drafter
+from paradraft.runtime.model import load_model
+from paradraft.runtime.serving import client as serving_client
+from paradraft.runtime.serving import openai_api, protocol
+from paradraft.runtime.serving import server as serving_server
+from paradraft.runtime.speculative import SpeculativeDecoder
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytestmark = [
+    pytest.mark.skipif(not (MODELS / "verifier" / "tokenizer.json").is_file(),
+                       reason=f"no models with a tokenizer in {MODELS}"),
+    pytest.mark.skipif(not HAVE_SERVER and not os.environ.get("CI"),
+                       reason="tritonserver not unpacked (make serve-deps)"),
+]
+SLOTS, QUEUE, MAX_SEQ = 2, 1, 320
+# a ChatML-like template whose turns end with the tokenizer's eos_token (<|endoftext|>)
+TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}")
+LONG = dict(max_tokens=280, extra_body={"ignore_eos": True})  # holds a slot for seconds
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    verifier = load_model(MODELS / "verifier")
+    config = protocol.ServeConfig(
+        verifier=str(MODELS / "verifier"), draft=str(MODELS / "draft"), k=4,
+        max_slots=SLOTS, max_queue=QUEUE, max_seq_len=MAX_SEQ, max_input_tokens=MAX_SEQ - 1,
+        eos_token_id=verifier.config.eos_token_ids)
+    work = tmp_path_factory.mktemp("openai")
+    chat = work / "chat"
+    chat.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (chat / name).write_bytes((MODELS / "verifier" / name).read_bytes())
+    (chat / "chat_template.jinja").write_text(TEMPLATE)
+    triton = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+                                         grpc_port=free_port(), http_port=free_port(),
+                                         metrics_port=free_port(), workdir=work / "triton")
+    try:
+        server = openai_api.start_openai_server(openai_api.OpenAIConfig(
+            grpc_url=triton.grpc_url, tokenizer_dir=str(chat), max_seq_len=MAX_SEQ,
+            port=free_port()), log=work / "openai.log")
+    except BaseException:
+        triton.stop()
+        raise
+    yield server, triton, config, chat
+    assert server.stop() == 0, (work / "openai.log").read_text()[-3000:]
+    assert triton.stop() == 0, triton.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=api[0].url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(api):
+    """In-process greedy decoding with the server's settings: the reference outputs."""
+    _, _, config, chat = api
+    dec = SpeculativeDecoder(load_model(config.verifier),
+                             Drafter("model", load_model(config.draft)), RuleParams("greedy"),
+                             k=config.k, max_batch_size=1, max_seq_len=MAX_SEQ)
+    tok = load_tokenizer(config.verifier)
+
+    def run(ids, max_tokens, eos=config.eos_token_id):
+        out = dec.generate([ids], max_tokens, eos_token_id=eos).token_ids[0]
+        return tok.decode(out, skip_special_tokens=True), out
+
+    return run, tok, chat
+
+
+def raw_sse(url, path, body, read_events=None, timeout=60):
+    """POST and return the server-sent event lines (all, or the first ``read_events`` and
+    then hang up)."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(req, timeout=timeout)
+    events = []
+    for line in response:
+        if line.startswith(b"data: "):
+            events.append(line[6:].strip().decode())
+            if read_events is not None and len(events) >= read_events:
+                response.close()  # the client goes away mid-stream
+                break
+    return events
+
+
+def test_models_and_greedy_completion_equal_the_in_process_decoder(api, client, local):
+    run, tok, _ = local
+    assert [m.id for m in client.models.list().data] == ["paradraft"]
+    for prompt in ["def fibonacci(n):", "import os\nimport sys\n\n"]:
+        want, ids = run(tok.encode(prompt).ids, 40)
+        done = client.completions.create(model="paradraft", prompt=prompt, max_tokens=40,
+                                         temperature=0)
+        assert done.choices[0].text == want
+        assert done.choices[0].finish_reason == ("length" if len(ids) == 40 else "stop")
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (
+            len(tok.encode(prompt).ids), len(ids))
+        stats = done.model_extra["paradraft"]
+        assert stats["draft_tokens"] > 0 and 0 <= stats["acceptance_rate"] <= 1
+        chunks = list(client.completions.create(
+            model="paradraft", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert len([c for c in chunks if c.choices]) > 2  # streamed as rounds complete
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+        assert chunks[-2].choices[0].finish_reason == done.choices[0].finish_reason
+    # token ids as the prompt
+    ids = tok.encode("class Parser:").ids
+    assert client.completions.create(model="paradraft", prompt=ids, max_tokens=12,
+                                     temperature=0).choices[0].text == run(ids, 12)[0]
+
+
+def test_chat_uses_the_template_and_stops_at_the_end_of_turn(api, client, local):
+    run, tok, chat = local
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def add(a, b):"}]
+    ids = tok.encode(format_chat(chat, messages), add_special_tokens=False).ids
+    stop_ids = chat_stop_token_ids(chat)
+    assert stop_ids == (0,)  # the template's end of turn is the eos token here
+    want, out = run(ids, 48, eos=stop_ids)
+    done = client.chat.completions.create(model="paradraft", messages=messages, max_tokens=48,
+                                          temperature=0)
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == want
+    assert done.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(
+        model="paradraft", messages=messages, max_completion_tokens=48, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == len(out)
+    # content parts, as newer clients send them
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    assert client.chat.completions.create(model="paradraft", messages=parts, max_tokens=48,
+                                          temperature=0).choices[0].message.content == want
+
+
+def test_streams_end_with_done_and_carry_usage_and_stats_as_aiperf_reads_them(api):
+    server = api[0]
+    events = raw_sse(server.url, "/chat/completions", {
+        "model": "paradraft", "messages": [{"role": "user", "content": "def f(x):"}],
+        "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("usage" in c for c in chunks)  # null until the last chunk
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert set(chunks[-1]["paradraft"]) == {"acceptance_rate", "accepted_draft_tokens",
+                                            "draft_tokens"}
+
+
+def test_stop_strings_cut_the_output_before_them(client, local):
+    run, tok, _ = local
+    want, _ = run(tok.encode("def fibonacci(n):").ids, 48)
+    word = next(w for w in want.split() if want.index(w) > 5)
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(
+                model="paradraft", prompt="def fibonacci(n):", max_tokens=48, temperature=0,
+                stop=[word, "@@never@@"], stream=True))
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            done = client.completions.create(model="paradraft", prompt="def fibonacci(n):",
+                                             max_tokens=48, temperature=0, stop=word)
+            text, reason = done.choices[0].text, done.choices[0].finish_reason
+        assert (text, reason) == (want[: want.index(word)], "stop"), stream
+
+
+def test_seed_makes_sampling_repeatable(client):
+    def sample(seed):
+        return client.completions.create(model="paradraft", prompt="def f(x):", max_tokens=24,
+                                         temperature=1.5, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_speculation_can_be_turned_off_per_request(client, local):
+    run, tok, _ = local
+    want, _ = run(tok.encode("for i in range(").ids, 32)
+    done = client.completions.create(model="paradraft", prompt="for i in range(",
+                                     max_tokens=32, temperature=0,
+                                     extra_body={"num_draft_tokens": 0})
+    assert done.choices[0].text == want
+    assert done.model_extra["paradraft"]["draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(n=2), "n"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=10_000), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(logprobs=1), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(logit_bias={"5": 1}), "logit_bias"),
+    (dict(best_of=2), "best_of"),
+    (dict(echo=True), "echo"),
+    (dict(extra_body={"guided_json": {}}), "guided_json"),
+    (dict(extra_body={"num_draft_tokens": -1}), "num_draft_tokens"),
+])
+def test_unsupported_or_invalid_fields_get_a_400_naming_them(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="paradraft", prompt="def f():", **kwargs)
+    assert e.value.body["param"] == param
+    assert param in e.value.body["message"]
+
+
+def test_chat_refusals_name_the_field(client):
+    for kwargs, param in [(dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+                          (dict(response_format={"type": "json_object"}), "response_format"),
+                          (dict(messages=[]), "messages")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": "paradraft", "messages": [
+                {"role": "user", "content": "hi"}], **kwargs})
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    # the server's own checks come back as 400s too, with its message
+    with pytest.raises(openai.BadRequestError, match="num_draft_tokens must be in"):
+        client.completions.create(model="paradraft", prompt="x",
+                                  extra_body={"num_draft_tokens": 99})
+
+
+def wait_for(srv, check, timeout=60):
+    """Poll the metrics until ``check(metrics)`` holds."""
+    deadline = time.monotonic() + timeout
+    while not check(m := metrics(srv)):
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving(api, client):
+    server, triton, _, _ = api
+    before = metrics(triton).get("paradraft_requests_total", 0)
+    threads = [threading.Thread(target=lambda: client.completions.create(
+        model="paradraft", prompt="def long():", **LONG)) for _ in range(SLOTS + QUEUE)]
+    for t in threads:
+        t.start()
+    wait_for(triton, lambda m: (m.get("paradraft_active_sequences"),
+                                m.get("paradraft_queue_depth")) == (SLOTS, QUEUE))
+    req = urllib.request.Request(server.url + "/completions", method="POST",
+                                 data=json.dumps({"model": "paradraft", "prompt": "x"}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+    assert "queue full" in json.loads(e.value.read())["error"]["message"]
+    with pytest.raises(openai.InternalServerError):  # streamed requests too, before any event
+        client.completions.create(model="paradraft", prompt="x", stream=True)
+    # the ensemble over gRPC: UNAVAILABLE (retry later); Triton 2.51's HTTP generate endpoint
+    # answers every error with 400, the message says what it was
+    with pytest.raises(serving_client.ServerError, match="queue full") as e:
+        serving_client.complete(triton.grpc_url, "x", 4)
+    assert e.value.code == "UNAVAILABLE"
+    req = urllib.request.Request(
+        f"http://{triton.host}:{triton.http_port}/v2/models/ensemble/generate", method="POST",
+        data=json.dumps({"text_input": "x", "max_tokens": 4}).encode())
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    reply = e.value.read().decode()
+    assert e.value.code == 400 and "queue full" in reply and "retry later" in reply
+    for t in threads:
+        t.join(120)
+    assert metrics(triton)["paradraft_requests_total"] == before + SLOTS + QUEUE
+    assert client.completions.create(model="paradraft", prompt="x", max_tokens=4).choices
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_slot(api, client):
+    """The API calls the paradraft model directly, so closing the HTTP stream cancels the
+    gRPC stream, which the model sees: the slot frees long before 280 tokens are done."""
+    server, triton, _, _ = api
+    before = metrics(triton).get("paradraft_requests_total", 0)
+    body = {"model": "paradraft", "prompt": "def long():", "max_tokens": 280,
+            "ignore_eos": True, "stream": True}
+    threads = [threading.Thread(target=raw_sse, args=(server.url, "/completions", body, 3))
+               for _ in range(SLOTS)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    wait_for(triton, lambda m: m.get("paradraft_active_sequences") == 0, timeout=10)
+    freed = time.monotonic() - t0
+    # they left by cancellation, not by finishing their 280 tokens
+    assert metrics(triton).get("paradraft_requests_total", 0) == before, freed
+    done = client.completions.create(model="paradraft", prompt="x", max_tokens=4)
+    assert done.usage.completion_tokens == 4
