@@ -102,6 +102,7 @@ def raw_sse(url, path, body, read_events=None, timeout=60):
 def test_models_and_greedy_completion_equal_the_in_process_decoder(api, client, local):
     run, tok, _ = local
     assert [m.id for m in client.models.list().data] == ["paradraft"]
+    assert urllib.request.urlopen(api[0].url.removesuffix("/v1") + "/health").status == 200
     for prompt in ["def fibonacci(n):", "import os\nimport sys\n\n"]:
         want, ids = run(tok.encode(prompt).ids, 40)
         done = client.completions.create(model="paradraft", prompt=prompt, max_tokens=40,
@@ -302,3 +303,14 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_slot(api, client):
     assert metrics(triton).get("paradraft_requests_total", 0) == before, freed
     done = client.completions.create(model="paradraft", prompt="x", max_tokens=4)
     assert done.usage.completion_tokens == 4
+
+
+def test_loadtest_over_the_openai_api_reuses_its_connections(api):
+    """Each client thread sends its requests over one keep-alive connection."""
+    from paradraft.runtime.tools.loadtest import run_level
+
+    server = api[0]
+    r = run_level(f"{server.config.host}:{server.config.port}", ["def f(x):", "class A:"], 2,
+                  6, 8, protocol="openai")
+    assert (r.answered, r.errors, r.lost, r.output_tokens) == (6, 0, 0, 48), r.error_messages
+    assert 0 < r.acceptance_rate <= 1

@@ -256,6 +256,30 @@ def test_stop_request_through_the_ensemble_frees_the_slot(server):
     assert serving_client.complete(srv.grpc_url, PROMPTS[0], 8).text
 
 
+def test_an_abandoned_completion_stops_its_request_through_the_ensemble(server):
+    """complete() cancels its stream and sends a stop when its caller gives up half-way
+    (here on_text raising): the slot frees at once instead of after 280 tokens."""
+    srv, _ = server
+    before = metrics(srv).get("paradraft_requests_total", 0)
+    chunks = []
+
+    def give_up(text):
+        chunks.append(text)
+        if len(chunks) == 3:
+            raise KeyboardInterrupt("enough")
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        serving_client.complete(srv.grpc_url, "def long_function():", 280, on_text=give_up,
+                                end_id=-1)
+    deadline = time.monotonic() + 30
+    while metrics(srv).get("paradraft_active_sequences", 1) > 0:
+        assert time.monotonic() < deadline, "the abandoned request still holds its slot"
+        time.sleep(0.05)
+    assert time.monotonic() - t0 < 30
+    assert metrics(srv).get("paradraft_requests_total", 0) == before  # it did not finish
+
+
 HOSTILE = {
     "empty text": ([("text_input", b"", "BYTES", np.object_),
                     ("max_tokens", 8, "INT32", np.int32)], "text_input is empty"),

@@ -40,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the levels in turn this many times; ratios are medians")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=300,
-                   help="seconds a request may wait for its next response before it counts "
-                   "as lost")
+                   help="a request that takes longer (grpc), or waits longer for its next "
+                   "response (http, openai), counts as lost")
     p.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
     p.add_argument("--out", default="results/loadtest",
                    help="where loadtest.json and loadtest.png go")

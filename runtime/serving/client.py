@@ -3,8 +3,11 @@ with the speculation stats the server sends along; and stopping a request by id.
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import struct
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +54,50 @@ def stream_error(error, status_codes: bool) -> RuntimeError:
     if status_codes and code != "CANCELLED":
         return ServerError(error.message(), code)
     return LostRequest(f"{code}: {error.message()}")
+
+
+# -- raw protobuf: what a client that sends many requests needs, without tritonclient's
+# per-tensor objects and its stream thread ----------------------------------------------------
+
+RAW_DTYPES = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+
+
+def raw_request(model: str, inputs: dict[str, tuple[str, list]], request_id: str = "",
+                outputs: tuple[str, ...] = ()):
+    """A ModelInferRequest (``inputs``: name -> (Triton datatype, values), each sent as a
+    [1, n] tensor of raw little-endian bytes; ``outputs``: the ones to return, default all),
+    with Triton's empty final response on, so a stream always ends with a final flag."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name in outputs:
+        request.outputs.add(name=name)
+    for name, (datatype, values) in inputs.items():
+        request.inputs.add(name=name, datatype=datatype, shape=[1, len(values)])
+        if datatype == "BYTES":
+            raw = b"".join(struct.pack("<I", len(v)) + v for v in values)
+        else:
+            raw = np.asarray(values, dtype=RAW_DTYPES[datatype]).tobytes()
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def raw_outputs(response) -> dict:
+    """A ModelInferResponse's outputs: each tensor's first element (BYTES as str)."""
+    out = {}
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        if tensor.datatype == "BYTES":
+            (n,) = struct.unpack_from("<I", raw) if len(raw) >= 4 else (0,)
+            out[tensor.name] = raw[4: 4 + n].decode("utf-8", "replace")
+        elif raw:
+            out[tensor.name] = np.frombuffer(raw, dtype=tensor.datatype.lower().replace(
+                "fp", "float"))[0].item()
+    return out
+
+
+def is_final(response) -> bool:
+    return response.parameters["triton_final_response"].bool_param
 
 
 def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
@@ -120,11 +167,15 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
              on_text=None, timeout: float = 300, request_id: str = "", client=None,
              status_codes: bool = True, **optional) -> Completion:
     """One completion over gRPC streaming (the API decoupled models need). ``request_id``
-    names it for ``stop_request``. ``client``: a ``tritonclient.grpc`` client to reuse (one
-    stream at a time; the caller closes it), as a load generator keeps one per worker
-    instead of a new channel per request. Raises ``ServerError`` for an error response
-    (with its gRPC status code unless ``status_codes`` is false) and ``LostRequest`` when no
-    final response came (within ``timeout`` seconds of the last one)."""
+    names it for ``stop_request`` (default: a fresh id). ``client``: a ``tritonclient.grpc``
+    client to reuse (one stream at a time; the caller closes it), as a load generator keeps
+    one per worker instead of a new channel per request. Raises ``ServerError`` for an error
+    response (with its gRPC status code unless ``status_codes`` is false) and
+    ``LostRequest`` when no final response came (within ``timeout`` seconds of the last one).
+
+    A completion abandoned half-way (a timeout, ``on_text`` raising, Ctrl-C) cancels its
+    stream and sends the request a ``stop``: cancelling an ensemble stream alone does not
+    reach the model on Triton 2.51, and the request would hold its slot to the end."""
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -134,6 +185,8 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
     chunks, times, counts = [], [], []
     stats = (0.0, 0, 0)
     reason = ""
+    request_id = request_id or uuid.uuid4().hex
+    ended = False  # a final or an error response came: nothing is left running
     t0 = time.perf_counter()
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)),
@@ -147,6 +200,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
             except queue.Empty:
                 raise LostRequest(f"no response for {timeout} s") from None
             if error is not None:
+                ended = True
                 raise stream_error(error, status_codes)
             response = result.get_response()
             final = response.parameters.get("triton_final_response")
@@ -164,11 +218,15 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                 if on_text is not None:
                     on_text(text)
             if final is not None and final.bool_param:
+                ended = True
                 break
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not ended)
         if own_client:
             client.close()
+        if not ended:  # (it may have ended meanwhile, or the server be gone: nothing to free)
+            with contextlib.suppress(Exception):
+                stop_request(url, request_id, timeout=10)
     return Completion("".join(chunks), chunks, *stats,
                       first_token_s=times[0] if times else 0.0, chunk_times=times,
                       chunk_tokens=counts, finish_reason=reason)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -29,9 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
+from .client import is_final, raw_outputs, raw_request
 
 MODEL = "paradraft"  # the Triton model the API calls (token ids in, text out)
 MAX_STOP = 16  # stop strings per request
@@ -293,25 +291,6 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
 
 # -- the gRPC call ---------------------------------------------------------------------------
 
-def infer_request(job: Job, request_id: str):
-    """A ModelInferRequest for the paradraft model (raw little-endian tensors, batch dim 1)."""
-    from tritonclient.grpc import service_pb2
-
-    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    for name in OUTPUTS:  # not output_ids: every tensor a response carries costs time
-        request.outputs.add(name=name)
-    dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
-    for name, (datatype, values) in job.inputs.items():
-        request.inputs.add(name=name, datatype=datatype, shape=[1, len(values)])
-        if datatype == "BYTES":
-            raw = b"".join(struct.pack("<I", len(v)) + v for v in values)
-        else:
-            raw = np.asarray(values, dtype=dtypes[datatype]).tobytes()
-        request.raw_input_contents.append(raw)
-    return request
-
-
 @dataclass
 class Piece:
     """What one Triton response adds."""
@@ -324,22 +303,10 @@ class Piece:
 
 
 def read_response(response) -> Piece:
-    out = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        out[tensor.name] = (tensor.datatype, raw)
-
-    def scalar(name, dtype):
-        return np.frombuffer(out[name][1], dtype=dtype)[0].item() if name in out else 0
-
-    def text(name):
-        if name not in out or len(out[name][1]) < 4:
-            return ""
-        (n,) = struct.unpack_from("<I", out[name][1])
-        return out[name][1][4: 4 + n].decode("utf-8", "replace")
-
-    return Piece(text("text_output"), scalar("sequence_length", np.int32),
-                 scalar("total_accepted_draft_tokens", np.int32),
-                 scalar("total_draft_tokens", np.int32), text("finish_reason"))
+    out = raw_outputs(response)
+    return Piece(out.get("text_output", ""), out.get("sequence_length", 0),
+                 out.get("total_accepted_draft_tokens", 0), out.get("total_draft_tokens", 0),
+                 out.get("finish_reason", ""))
 
 
 def error_from_grpc(error) -> ApiError:
@@ -386,7 +353,8 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
     """Run the job on Triton; yield the text as it comes, the final piece last (its
     ``finish_reason`` set). Cancelling the iteration cancels the gRPC stream, and with it
     the request on the server."""
-    request = infer_request(job, uuid.uuid4().hex)
+    # not output_ids: every tensor a response carries costs time
+    request = raw_request(MODEL, job.inputs, uuid.uuid4().hex, OUTPUTS)
 
     async def requests():
         yield request
@@ -398,7 +366,7 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
         async for response in call:
             if response.error_message:
                 raise ApiError(500, response.error_message, kind="server_error")
-            final = response.infer_response.parameters["triton_final_response"].bool_param
+            final = is_final(response.infer_response)
             if not response.infer_response.outputs:  # the empty final response
                 if final:
                     break
@@ -423,8 +391,10 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
             raise error_from_grpc(e) from None
         raise
     finally:
-        if not finished:  # the client went away, or a stop string ended the output early:
-            call.cancel()  # the server drops the request (its slot frees within a round)
+        if finished:  # let the server close the stream: a cancel that arrives after it
+            await call.code()  # completed confuses Triton's gRPC frontend
+        else:  # the client went away, or a stop string ended the output early:
+            call.cancel()  # the server drops the request (its slot frees within ~0.1 s)
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -521,6 +491,10 @@ def create_app(config: OpenAIConfig):
 
     # plain Starlette routes: the body is validated by parse_job, which names every field
     # it refuses, so FastAPI's own validation and dependency injection would only add work
+    async def health(request):  # liveness for a load balancer or a Kubernetes probe
+        return JSONResponse({})
+
+    app.add_route("/health", health, methods=["GET"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])

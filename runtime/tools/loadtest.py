@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from ..serving.client import Completion, LostRequest, ServerError, complete
+from ..serving.client import Completion, LostRequest, ServerError
 
 PROTOCOLS = ("grpc", "http", "openai")
 REFERENCE = "in-process"
@@ -82,13 +82,21 @@ def http_stream(conn: http.client.HTTPConnection, path: str, body: dict, timeout
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
-    except OSError as e:
-        conn.close()
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()  # the next request reconnects
         raise LostRequest(f"{type(e).__name__}: {e}") from None
     if response.status != 200:
         message = response.read().decode(errors="replace")[:300]
         raise ServerError(f"HTTP {response.status}: {message}", str(response.status))
     return response
+
+
+def drain(conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+    """Read the stream to its end, so that the keep-alive connection takes the next request."""
+    try:
+        response.read()
+    except (OSError, http.client.HTTPException):
+        conn.close()
 
 
 def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
@@ -105,6 +113,7 @@ def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
             if event is None:
                 continue
             if "error" in event:
+                drain(conn, response)
                 raise ServerError(event["error"])
             last = event
             chunks.append(event["text_output"])
@@ -112,7 +121,7 @@ def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
             counts.append(event["sequence_length"] - sum(counts))
             if event.get("finish_reason"):
                 break
-        response.read()  # the rest of the stream: the connection is reused
+        drain(conn, response)
     except (OSError, http.client.HTTPException, ValueError) as e:
         conn.close()
         raise LostRequest(f"{type(e).__name__}: {e}") from None
@@ -139,6 +148,7 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                 done = True
                 break
             if "error" in event:
+                drain(conn, response)
                 raise ServerError(event["error"].get("message", str(event)))
             for choice in event.get("choices", []):
                 if choice.get("text"):
@@ -147,6 +157,7 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                 reason = choice.get("finish_reason") or reason
             usage = event.get("usage") or usage
             stats = event.get("paradraft") or stats
+        drain(conn, response)
     except (OSError, http.client.HTTPException, ValueError) as e:
         conn.close()
         raise LostRequest(f"{type(e).__name__}: {e}") from None
@@ -160,20 +171,56 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                       times[0] if times else 0.0, times, counts, reason)
 
 
+def grpc_stream(stub, prompt: str, max_tokens: int, timeout: float) -> Completion:
+    """The ensemble over one gRPC stream, read in this thread from the raw protobuf (no
+    tritonclient result objects, no stream thread: the load generator shares the server's
+    cores). No status-code header, so an error response arrives in the stream and a broken
+    stream (an RPC error, or no final response within ``timeout`` seconds) is a lost request."""
+    import grpc
+
+    from ..serving.client import is_final, raw_outputs, raw_request
+
+    request = raw_request("ensemble", {"text_input": ("BYTES", [prompt.encode()]),
+                                       "max_tokens": ("INT32", [max_tokens]),
+                                       "stream": ("BOOL", [True])})
+    t0 = time.perf_counter()
+    chunks, times, counts, last = [], [], [], {}
+    final = False
+    try:
+        # read to the end of the stream, which the server closes after the final response:
+        # leaving it earlier cancels the RPC after it completed, and on Triton 2.51 an
+        # ensemble request cancelled that late is never released (its model cannot unload)
+        for response in stub.ModelStreamInfer(iter([request]), timeout=timeout):
+            if response.error_message:
+                raise ServerError(response.error_message)
+            out = raw_outputs(response.infer_response)
+            if "text_output" in out:
+                last = out
+                chunks.append(out["text_output"])
+                times.append(time.perf_counter() - t0)
+                counts.append(out["sequence_length"] - sum(counts))
+            final = final or is_final(response.infer_response)
+    except grpc.RpcError as e:
+        raise LostRequest(f"{e.code()}: {e.details()}") from None
+    if not final or not last.get("finish_reason"):
+        raise LostRequest("the stream ended without a final response")
+    return Completion("".join(chunks), chunks, last["acceptance_rate"],
+                      last["total_accepted_draft_tokens"], last["total_draft_tokens"],
+                      times[0], times, counts, last["finish_reason"])
+
+
 def requester(protocol: str, url: str, timeout: float, model: str = "paradraft"
               ) -> tuple[Callable, Callable]:
     """(send(prompt, max_tokens) -> Completion, close) for one worker: one channel or
     keep-alive connection per worker, reused by its requests (as perf_analyzer does): a new
     one per request is client CPU taken from a server on the same cores."""
     if protocol == "grpc":
-        import tritonclient.grpc as grpcclient
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
 
-        client = grpcclient.InferenceServerClient(url)
-        # no status codes: an error response then arrives in the stream, and a broken
-        # stream (an RPC error) means the request was lost
-        return (lambda prompt, n: complete(url, prompt, n, stream=True, client=client,
-                                           timeout=timeout, status_codes=False),
-                client.close)
+        channel = grpc.insecure_channel(url)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return (lambda prompt, n: grpc_stream(stub, prompt, n, timeout)), channel.close
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -255,9 +302,9 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
         except ServerError as e:  # counted, never raised: the run must finish
             with lock:
                 errors.append(str(e)[:200])
-        except LostRequest as e:
+        except Exception as e:  # LostRequest, or a client that broke: no final response
             with lock:
-                lost.append(f"lost: {str(e)[:190]}")
+                lost.append(f"lost: {type(e).__name__}: {str(e)[:170]}")
 
     try:
         seconds, cpu = run_workers(concurrency, requests, work, progress)

@@ -128,6 +128,13 @@ class Metrics:
             self.flush_queued = self.flush_queued or queue_it
         return queue_it
 
+    def flush_held(self):
+        """Flush deltas that no queued flush will carry (called when the sender is idle)."""
+        with self.lock:
+            held = not self.flush_queued and self.pending != self.empty()
+        if held:
+            self.flush()
+
     def flush(self):
         with self.lock:
             p, self.pending, self.flush_queued = self.pending, self.empty(), False
@@ -220,7 +227,10 @@ class TritonPythonModel:
 
     def send_loop(self):
         while True:
-            job = self.outbox.get()
+            try:
+                job = self.outbox.get(timeout=METRICS_FLUSH_S)
+            except queue.Empty:  # idle: send what the throttle held back (the last request's
+                job = self.metrics.flush_held  # end, a queue that drained, ...)
             if job is None:
                 return
             try:
