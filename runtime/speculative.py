@@ -10,6 +10,11 @@ same lengths (each draft pass re-feeds the few real tokens it may not have seen 
 
 The device work of a round is vectorised over rows and positions; the round ends with one
 host transfer (the tokens each row gained, for streaming, plus the stop flags).
+
+Fused correction: where the verifier engine ends in the ``CausalCorrection`` op (an engine
+dir's correction graph), verify and correct can be one engine call that returns only the
+accepted counts and next tokens, not [B, K+1, V] logits. Both paths take the same per-row
+random numbers, so they give the same tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ __all__ = ["Drafter", "GenerationResult", "SpecStats", "SpeculativeDecoder", "ag
 log = logging.getLogger("paradraft")
 MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-of-turn ids)
 EosIds = int | Sequence[int] | None
+FUSED_MODES = ("on", "off", "auto")
+AUDIT_NEEDS_LOGITS = "audit: the attention causal audit needs the verifier's logits"
 
 
 class SpeculativeDecoder:
@@ -57,6 +64,11 @@ class SpeculativeDecoder:
     falls behind and the next drafted round re-feeds the missed tokens.
     ``draft_len_schedule``: the round's K by batch size, TensorRT-LLM's {threshold: K}, or
     ``"auto"``: the goodput policy over round times measured by ``calibrate`` (k_policy.py).
+    ``fused_correction``: ``"on"``: verify and correct in one engine call (the verifier engine
+    must carry a correction graph); ``"off"``: logits out of the engine, ``correct()`` here;
+    ``"auto"``: on where the backend measured it faster (its ``fused_by_default``). A round
+    that one call cannot carry (the audit needs the logits; rule parameters the engine has
+    no graph for) runs unfused and counts its reason in ``fused_fallback``.
     """
 
     def __init__(
@@ -73,6 +85,7 @@ class SpeculativeDecoder:
         acceptance_floor: float = 0.6,
         disable_by_batch_size: int | None = None,
         draft_len_schedule: dict[int, int] | str | None = None,
+        fused_correction: str = "auto",
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -105,6 +118,9 @@ class SpeculativeDecoder:
         self.monitor = AcceptanceMonitor(floor=acceptance_floor)
         self.adaptive_k = adaptive_k
         self.audit_epsilon = audit_epsilon
+        self.fused = fused_on(verifier, fused_correction)
+        if self.fused and verifier.fused_reason(self.params) is None:
+            verifier.prepare_correction(self.params)  # its session, before the first round
         # sampled drafts (with their q) only pay off for the lossless sampling rule
         self.draft_sampling = self.params.rule == "exact" if draft_sampling is None else (
             draft_sampling)
@@ -157,22 +173,30 @@ class SpeculativeDecoder:
         width = draft_tokens.shape[1]
         verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
         pos = lengths[:, None] + torch.arange(width + 1, device=dev)
-        audit = self.audit_epsilon is not None
-        logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound, rows=cache_rows,
-                                     audit=audit)
-        t2 = time.perf_counter()
-        # 3. correct: a position that looked at a later one (the audit) is not trusted
         num_drafted = k_rows.clamp(max=width)
-        leaked_rows = torch.zeros_like(lengths, dtype=torch.bool)
-        if audit:
-            leaked = leak > self.audit_epsilon
-            leaked_rows = leaked.any(1)
-            num_drafted = torch.minimum(torch.where(leaked_rows, leaked.int().argmax(1), width),
-                                        num_drafted)
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
-        num_accepted, next_token = correct_for(dev)(
-            logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
+        leaked_rows = torch.zeros_like(lengths, dtype=torch.bool)
+        if self._fused_round():
+            # 2 + 3 in one engine call: only the counts and tokens leave it, not the logits
+            # (its time counts as verify time)
+            num_accepted, next_token, _ = self.verifier.verify_and_correct(
+                verify_in, pos, self.cache, self.params, randoms, draft_probs, num_drafted,
+                kv_len=bound, rows=cache_rows)
+            t2 = time.perf_counter()
+        else:
+            audit = self.audit_epsilon is not None
+            logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound,
+                                         rows=cache_rows, audit=audit)
+            t2 = time.perf_counter()
+            # 3. correct: a position that looked at a later one (the audit) is not trusted
+            if audit:
+                leaked = leak > self.audit_epsilon
+                leaked_rows = leaked.any(1)
+                num_drafted = torch.minimum(
+                    torch.where(leaked_rows, leaked.int().argmax(1), width), num_drafted)
+            num_accepted, next_token = correct_for(dev)(
+                logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
         # 4. roll back: accepted drafts, then the rule's token at index num_accepted; the new
         # length is all the rollback there is
         emitted = torch.cat([draft_tokens, next_token[:, None]], 1)
@@ -189,6 +213,28 @@ class SpeculativeDecoder:
         self.times[:, slots] += torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0],
                                              dtype=torch.float64)[:, None]
         return out
+
+    def _fused_round(self) -> bool:
+        """Whether this round verifies and corrects in one engine call. A round that cannot
+        (the audit needs the logits; rule parameters the engine has no graph for) counts its
+        reason in ``fused_fallback``. Host-side bookkeeping only."""
+        if not self.fused:
+            return False
+        why = (AUDIT_NEEDS_LOGITS if self.audit_epsilon is not None
+               else self.verifier.fused_reason(self.params))
+        if why is None:
+            self.fused_rounds += 1
+            return True
+        if why not in self.fused_fallback:
+            log.warning("fused correction: rounds run unfused (logits + correct()): %s", why)
+        self.fused_fallback[why] = self.fused_fallback.get(why, 0) + 1
+        return False
+
+    def fused_stats(self) -> dict:
+        """Fused correction since the last ``reset``: whether it is on, the rounds it ran,
+        and the rounds that fell back to the unfused path, by reason."""
+        return {"fused_correction": self.fused, "fused_rounds": self.fused_rounds,
+                "fused_fallback": dict(self.fused_fallback)}
 
     def _draft_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
                      bound: int, streams: RowStreams | None, cache_rows: Tensor | None
@@ -309,6 +355,8 @@ class SpeculativeDecoder:
         self.host_lengths = [0] * S
         self.host_k = [width] * S
         self.draft_missed = [0] * S  # undrafted rounds since the draft cache was last fed
+        self.fused_rounds = 0  # rounds verified and corrected in one engine call
+        self.fused_fallback: dict[str, int] = {}  # rounds run unfused though fused is on
 
     def check_request(self, prompt: list[int], max_new_tokens: int) -> None:
         vocab = self.verifier.config.vocab_size
@@ -497,6 +545,19 @@ class SpeculativeDecoder:
         return GenerationResult(out, row_stats, aggregate(row_stats))
 
 
+
+
+def fused_on(verifier: object, mode: str) -> bool:
+    """Resolve ``fused_correction`` (on / off / auto) for this verifier engine."""
+    if mode not in FUSED_MODES:
+        raise ValueError(f"fused_correction must be one of {', '.join(FUSED_MODES)}; "
+                         f"got {mode!r}")
+    carries = getattr(verifier, "has_correction", False)
+    if mode == "on" and not carries:
+        raise ValueError("fused_correction='on' needs a verifier engine with a correction "
+                         "graph (an engine dir from `paradraft build`: ONNX Runtime or "
+                         "TensorRT); this verifier has none: use 'auto' or 'off'")
+    return carries and (mode == "on" or (mode == "auto" and verifier.fused_by_default))
 
 
 def row_seeds(seed: int, batch_size: int) -> list[int]:

@@ -147,12 +147,15 @@ def test_exact_speculative_decoding_matches_the_verifier_joint_distribution(mode
     assert_joint_distribution(verifier, Drafter("model", draft), VOCAB)
 
 
-def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, seeds: int = 12):
+def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, seeds: int = 12,
+                              **decoder_kwargs) -> SpeculativeDecoder:
     """End to end through the decoder: the first two generated tokens of a fixed prompt,
-    sampled with exact speculation, follow the verifier's joint distribution (chi-square)."""
+    sampled with exact speculation, follow the verifier's joint distribution (chi-square).
+    ``decoder_kwargs``: more SpeculativeDecoder options; returns the decoder (for its stats)."""
     params = RuleParams("exact", temperature=1.0)
     prompt = [5, 9, 14]
-    dec = SpeculativeDecoder(verifier, drafter, params, k=3, max_batch_size=rows)
+    dec = SpeculativeDecoder(verifier, drafter, params, k=3, max_batch_size=rows,
+                             **decoder_kwargs)
     pairs = []
     for seed in range(seeds):
         out = dec.generate([prompt] * rows, 2, seed=seed).token_ids
@@ -178,6 +181,7 @@ def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, se
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
     assert chisquare(obs, exp).pvalue > 1e-3
+    return dec
 
 
 @pytest.mark.parametrize("schedule", [{1: 4, 3: 2, 6: 0}, "auto"])

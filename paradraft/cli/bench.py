@@ -11,7 +11,7 @@ import torch
 
 from paradraft.build.onnx import build_engines
 from paradraft.runtime.backends.loader import load_engines
-from paradraft.runtime.correction import MAX_K
+from paradraft.runtime.correction import MAX_K, RULES
 from paradraft.runtime.drafters import AnyDrafter
 from paradraft.runtime.model import load_model
 from paradraft.runtime.tools.bench import (
@@ -26,6 +26,7 @@ from paradraft.runtime.tools.bench import (
 from .common import (
     add_draft_threads_arg,
     add_eval_args,
+    add_fused_correction_arg,
     device_and_dtype,
     eval_prompts,
     int_list,
@@ -49,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engines", default=None,
                    help="engine dir for the onnx backend (default: build into a temp dir)")
     add_draft_threads_arg(p)
+    add_fused_correction_arg(p, several=True)
     p.set_defaults(run=run)
 
 
@@ -66,6 +68,9 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
                       self_draft_layers=args.self_draft_layers, max_k=max_k)
     verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers,
                                                    draft_threads=args.draft_threads)
+    # a correction session per rule the plan runs: its fused rows measure the fused path,
+    # not the fallback past the default cap
+    verifier.max_correction_sessions = max(verifier.max_correction_sessions, len(RULES))
     missing = [n for n in names if n not in drafters]
     if missing:
         raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
@@ -81,6 +86,10 @@ def run(args: argparse.Namespace) -> None:
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
     if args.repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {args.repeats}")
+    fused_modes = tuple(dict.fromkeys(args.fused_correction.split(",")))
+    if any(m not in ("on", "off", "auto") for m in fused_modes):
+        raise ValueError("fused_correction must be a comma list of on, off, auto; got "
+                         f"{args.fused_correction!r}")
     prompts = eval_prompts(args)
     rows = []
     draft_precision = None  # of the onnx engines' drafting graphs
@@ -97,7 +106,9 @@ def run(args: argparse.Namespace) -> None:
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
-                                     temperature=args.temperature, repeats=args.repeats)
+                                     temperature=args.temperature, repeats=args.repeats,
+                                     # torch verifies in torch: nothing to fuse
+                                     fused_modes=fused_modes if backend == "onnx" else ("off",))
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows
@@ -108,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,
             "backends": backends, "repeats": args.repeats, "vs_torch": ratios,
+            "fused_correction": list(fused_modes),
             "onnx_draft_precision": draft_precision,
             # what the rows' bound fields mean (docs/results.md, "Distance to the bound")
             "definitions": {

@@ -60,6 +60,21 @@ def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
                         "(0: never; the acceptance-floor alert)")
 
 
+def add_fused_correction_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--fused-correction``: verify and correct in one engine call (engine dirs whose
+    verifier carries the correction graph). ``several``: a comma list, run side by side."""
+    what = ("verify and correct in one engine call (the correction graph's CausalCorrection "
+            "op): only accepted counts and next tokens leave the engine, not the logits")
+    if several:
+        p.add_argument("--fused-correction", default="on,off", metavar="MODES",
+                       help=f"{what}. A comma list of on, off, auto, each run as its own rows "
+                            "for the engine backends (torch rows: off); default on,off")
+    else:
+        p.add_argument("--fused-correction", choices=("on", "off", "auto"), default="auto",
+                       help=f"{what}. auto: on where measured faster (docs/engines.md); "
+                            "engine dirs only")
+
+
 def add_rule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rule", choices=RULES, default="greedy")
     p.add_argument("--temperature", type=float, default=1.0)

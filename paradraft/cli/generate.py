@@ -22,6 +22,7 @@ from .common import (
     add_acceptance_floor_arg,
     add_device_args,
     add_draft_threads_arg,
+    add_fused_correction_arg,
     add_rule_args,
     check_engine_limits,
     device_and_dtype,
@@ -62,6 +63,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audit-epsilon", type=float, default=None,
                    help="enable the attention causal audit with this ε")
     add_acceptance_floor_arg(p)
+    add_fused_correction_arg(p)
     p.add_argument("--no-speculation", action="store_true",
                    help="plain autoregressive decoding of the verifier (the baseline)")
     add_device_args(p)
@@ -77,7 +79,11 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
             adaptive_k=args.adaptive_k,
             audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
+            fused_correction=args.fused_correction,
         ), verifier
+    if args.fused_correction == "on":
+        raise ValueError("--fused-correction on needs --engines (an engine dir whose verifier "
+                         "carries the correction graph); the torch backend has none")
     device, dtype = device_and_dtype(args)
     verifier = load_model(args.verifier, dtype=dtype, device=device)
     drafter = None
@@ -156,7 +162,8 @@ def run(args: argparse.Namespace) -> None:
     text = tokenizer.decode(out) if tokenizer is not None else None
     stats = row_stats[0]
     if args.json:
-        print(json.dumps({"text": text, "token_ids": out, "stats": stats.to_dict()}))
+        print(json.dumps({"text": text, "token_ids": out, "stats": stats.to_dict(),
+                          **decoder.fused_stats()}))
         return
     if tokenizer is None:
         print(out)

@@ -39,6 +39,12 @@ def rule_attributes(params: RuleParams) -> dict:
     return attrs
 
 
+def rule_key(params: RuleParams) -> RuleParams:
+    """The parameters a correction graph's attributes must match to apply ``params``:
+    ``greedy`` reads none of them but the rule, so every greedy request shares one graph."""
+    return RuleParams("greedy") if params.is_greedy else params
+
+
 def set_rule(model, params: RuleParams) -> None:
     """Rewrite the CausalCorrection node's rule attributes in place (a ModelProto)."""
     from onnx import helper
@@ -107,7 +113,10 @@ def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_po
 
 def correction_inputs(B: int, randoms: Randoms | None, draft_probs: Tensor | None,
                       num_drafted: Tensor | None, device: torch.device) -> dict[str, Tensor]:
-    """The correction graph's extra inputs; absent (None) ones travel as empty tensors."""
+    """The correction graph's extra inputs; absent (None) ones travel as empty tensors.
+    ``randoms``: the round's per-row numbers (``row_randoms``), the ones the unfused path
+    hands ``correct()``, so both paths give the same tokens; ``draft_probs``: the sampled
+    draft's q [B, K, V] (None: a greedy, one-hot draft)."""
     if randoms is None:  # greedy: no random numbers
         randoms = Randoms(torch.empty(B, 0, device=device), torch.empty(B, 0, device=device))
     probs = torch.empty(B, 0, 0, device=device) if draft_probs is None else draft_probs

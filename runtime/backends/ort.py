@@ -8,7 +8,9 @@ outputs land in torch tensors allocated per call at their exact (small) size, an
 cache writes are this step's K/V at (rows, input_pos) — the same index_put torch does.
 
 ``CausalCorrection`` (domain ``paradraft``) runs here as an onnxruntime-extensions Python op
-that calls ``correction.correct``: the one implementation of the rules.
+that calls ``correction.correct``: the one implementation of the rules. ``verify_and_correct``
+runs the verifier and the op in one call (``SpeculativeDecoder(fused_correction=...)``); the
+op's rule parameters are node attributes, so each parameter set gets a session of its own.
 """
 
 from __future__ import annotations
@@ -28,12 +30,17 @@ from .engine_io import (
     accepted_block,
     correction_inputs,
     params_from_attributes,
+    rule_key,
     set_rule,
     step_inputs,
     write_back,
 )
 
 _NP_TYPES = {torch.float32: np.float32, torch.int64: np.int64}
+# correction sessions per OrtModel, one per rule parameter set: each prepacks its own copy of
+# the verifier's weights, so a server whose requests bring ever new parameters must not make
+# one each (those rounds run unfused instead, ``fused_reason``)
+MAX_CORRECTION_SESSIONS = 4
 _op_registered = False
 last_op_error: str | None = None  # the CausalCorrection kernel's last failure
 
@@ -144,13 +151,23 @@ class OrtModel:
     k-step greedy draft graph} (optional, ``greedy_drafts``). Sessions are created on first
     use. ``threads``: ONNX Runtime intra-op threads of the full graph (default: torch's);
     ``draft_threads``: of the drafting graphs (first-N-layers, fused draft steps; default:
-    ``threads``).
+    ``threads``). ``max_correction_sessions``: rule parameter sets with a correction session
+    of their own (each holds the verifier's weights once more).
     """
+
+    # SpeculativeDecoder(fused_correction="auto") fuses where this is True. verify_and_correct
+    # measured slower on the CPU than the logits graph + correct(): the Python op's call costs
+    # more than keeping the logits in the graph saves (docs/engines.md)
+    fused_by_default = False
 
     def __init__(self, config: ModelConfig, graphs: dict[int | None, str | Path],
                  correction: str | Path | None = None, threads: int | None = None,
                  draft_steps: dict[tuple[int | None, int], str | Path] | None = None,
-                 draft_threads: int | None = None):
+                 draft_threads: int | None = None,
+                 max_correction_sessions: int = MAX_CORRECTION_SESSIONS):
+        if not isinstance(max_correction_sessions, int) or max_correction_sessions < 1:
+            raise ValueError("max_correction_sessions must be an integer >= 1; got "
+                             f"{max_correction_sessions!r}")
         self.config = config
         self.dtype = torch.float32
         self.device = torch.device("cpu")
@@ -162,6 +179,7 @@ class OrtModel:
         self.draft_threads = self.threads if draft_threads is None else draft_threads
         self.draft_step_paths = dict(draft_steps or {})
         self._graphs: dict[int | None, Graph] = {}
+        self.max_correction_sessions = max_correction_sessions
         self._corrections: dict[RuleParams, Graph] = {}
         self._draft_steps: dict[tuple[int | None, int], Graph] = {}
 
@@ -169,7 +187,8 @@ class OrtModel:
         """This engine without its fused draft graphs: k single-step calls per block, the
         reference the fused graphs are tested and benchmarked against."""
         return OrtModel(self.config, self.graph_paths, self.correction_path, self.threads,
-                        draft_threads=self.draft_threads)
+                        draft_threads=self.draft_threads,
+                        max_correction_sessions=self.max_correction_sessions)
 
     def _graph(self, num_layers: int | None) -> Graph:
         if num_layers not in self._graphs:
@@ -243,10 +262,33 @@ class OrtModel:
 
     # -- the verifier + CausalCorrection graph ---------------------------------------------
 
+    @property
+    def has_correction(self) -> bool:
+        """Whether this engine can verify and correct in one call (``verify_and_correct``)."""
+        return self.correction_path is not None
+
+    def fused_reason(self, params: RuleParams) -> str | None:
+        """Why ``verify_and_correct`` cannot run ``params`` now (None: it can). Host-side
+        bookkeeping only: the decoder asks every round."""
+        if self.correction_path is None:
+            return "no correction graph: this engine was built without one"
+        if (rule_key(params) not in self._corrections
+                and len(self._corrections) >= self.max_correction_sessions):
+            return (f"rule parameters: {len(self._corrections)} parameter sets have a "
+                    "correction session already (max_correction_sessions)")
+        return None
+
+    def prepare_correction(self, params: RuleParams) -> None:
+        """Make the correction session for ``params`` now (a session takes a while to make:
+        better before the first round than inside it)."""
+        self.correction_graph(params)
+
     def correction_graph(self, params: RuleParams) -> Graph:
-        """The correction graph with ``params`` as its node attributes (one session each)."""
+        """The correction graph with ``params`` as its node attributes (one session each, made
+        on first use; greedy parameter sets share one: the rule reads none of them)."""
         if self.correction_path is None:
             raise ValueError("this engine has no correction graph (only the verifier has one)")
+        params = rule_key(params)
         if params not in self._corrections:
             import onnx
 
@@ -272,7 +314,8 @@ class OrtModel:
         rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One verify pass over [newest, d_1 … d_K] that returns only (num_accepted [B],
-        next_token [B], accepted_tokens [B, K+1]) — the logits stay inside the graph."""
+        next_token [B], accepted_tokens [B, K+1]) — the logits stay inside the graph. The
+        other arguments are ``correct()``'s and ``Transformer.forward``'s."""
         c = self.config
         graph = self.correction_graph(params)
         inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)

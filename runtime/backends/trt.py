@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..correction import Randoms, RuleParams
 from ..model import KVCache, ModelConfig
-from .engine_io import correction_inputs, step_inputs, write_back
+from .engine_io import correction_inputs, rule_key, step_inputs, write_back
 from .trt_plans import Limits, import_tensorrt, register_plugin, rule_plan
 
 ALIGNMENT = 256  # TensorRT wants every device address 256-byte aligned
@@ -177,18 +177,52 @@ class TrtModel:
     graphs: {None: full step graph, N: first-N-layers graph} → a loader of its runner;
     correction: RuleParams → a runner of the verifier + CausalCorrection graph with those
     rule fields (a plan's plugin fields are fixed). Runners are loaded on first use.
+    prebuilt: the rule fields of the correction plan on disk; a runner for others is a
+    TensorRT build, which the decoder does not start in the middle of a round (``fused_reason``;
+    ``prepare_correction`` builds one ahead). None: every parameter set loads cheaply (the
+    tests' ONNX Runtime stand-ins).
     """
+
+    # not measured on a GPU yet: SpeculativeDecoder(fused_correction="auto") stays unfused
+    fused_by_default = False
 
     def __init__(self, config: ModelConfig, graphs: dict[int | None, Callable[[], Runner]],
                  correction: Callable[[RuleParams], Runner] | None = None,
-                 device: torch.device | str = "cuda"):
+                 device: torch.device | str = "cuda", prebuilt: RuleParams | None = None):
         self.config = config
         self.dtype = torch.float32  # the graphs' I/O, and so the KV cache
         self.device = torch.device(device)
         self.graphs = dict(graphs)
         self.correction = correction
+        self.prebuilt = None if prebuilt is None else rule_key(prebuilt)
         self._runners: dict[int | None, Runner] = {}
         self._corrections: dict[RuleParams, Runner] = {}
+
+    @property
+    def has_correction(self) -> bool:
+        """Whether this engine can verify and correct in one call (``verify_and_correct``)."""
+        return self.correction is not None
+
+    def fused_reason(self, params: RuleParams) -> str | None:
+        """Why ``verify_and_correct`` cannot run ``params`` now (None: it can). Host-side
+        bookkeeping only: the decoder asks every round."""
+        if self.correction is None:
+            return "no correction plan: this engine was built without one"
+        key = rule_key(params)
+        if self.prebuilt is not None and key != self.prebuilt and key not in self._corrections:
+            return (f"rule parameters: the correction plan was built for rule "
+                    f"{self.prebuilt.rule!r} with other fields; these need a TensorRT build "
+                    "(TrtModel.prepare_correction)")
+        return None
+
+    def prepare_correction(self, params: RuleParams) -> None:
+        """Load (or build, for rule fields other than the plan's) the correction runner for
+        ``params`` now, so that rounds with them can run fused."""
+        if self.correction is None:
+            raise ValueError("this engine has no correction plan (only the verifier has one)")
+        key = rule_key(params)
+        if key not in self._corrections:
+            self._corrections[key] = self.correction(key)
 
     def _graph(self, num_layers: int | None) -> Runner:
         if num_layers not in self._runners:
@@ -241,10 +275,7 @@ class TrtModel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One verify pass over [newest, d_1 … d_K] that returns only (num_accepted [B],
         next_token [B], accepted_tokens [B, K+1]) — the logits stay on the GPU."""
-        if self.correction is None:
-            raise ValueError("this engine has no correction plan (only the verifier has one)")
-        if params not in self._corrections:
-            self._corrections[params] = self.correction(params)
+        self.prepare_correction(params)
         c = self.config
         inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, None, c.n_layers)
         B, T = tokens.shape
@@ -254,9 +285,9 @@ class TrtModel:
         next_token = torch.empty(B, dtype=torch.long, device=dev)
         accepted = torch.empty(B, T, dtype=torch.long, device=dev)
         new_kv = new_kv_outputs(c, B, T, c.n_layers, dev)
-        self._corrections[params].run(inputs, {"num_accepted": num_accepted,
-                                               "next_token": next_token,
-                                               "accepted_tokens": accepted, **new_kv})
+        outputs = {"num_accepted": num_accepted, "next_token": next_token,
+                   "accepted_tokens": accepted, **new_kv}
+        self._corrections[rule_key(params)].run(inputs, outputs)
         write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
         return num_accepted, next_token, accepted
 
@@ -284,14 +315,14 @@ def load_trt_model(engine_dir: str | Path, manifest: dict, name: str) -> TrtMode
     if "self_draft" in m["graphs"]:
         g = m["graphs"]["self_draft"]
         graphs[g["num_layers"]] = loader(g)
-    correction = None
+    correction = built = None
     if "correction" in m["graphs"]:
         g = m["graphs"]["correction"]
-        built = RuleParams(**manifest["rule_defaults"])
+        built = rule_key(RuleParams(**manifest["rule_defaults"]))
         info = manifest["tensorrt"]
         cache = engine_dir / info["timing_cache"] if info.get("timing_cache") else None
 
-        def correction(params: RuleParams) -> Runner:
+        def correction(params: RuleParams) -> Runner:  # params: a rule_key
             register_plugin()  # CausalCorrection's creator must exist to deserialize the plan
             if params == built:
                 data, profiles = (engine_dir / g["plan"]).read_bytes(), g["profiles"]
@@ -302,4 +333,4 @@ def load_trt_model(engine_dir: str | Path, manifest: dict, name: str) -> TrtMode
                     cache.read_bytes() if cache is not None and cache.is_file() else b"")
             return Plan(trt, data, profiles, f"{g['plan']} ({params.rule})", device)
 
-    return TrtModel(ModelConfig(**m["config"]), graphs, correction, device)
+    return TrtModel(ModelConfig(**m["config"]), graphs, correction, device, prebuilt=built)

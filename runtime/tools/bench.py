@@ -8,6 +8,10 @@ With ``repeats`` > 1 the whole plan runs that many times in turn; a row's tokens
 median and each ratio the median of the per-repeat ratios, so a slow spell during one
 variant (the baseline, say) moves one repeat, not the result.
 
+With several ``fused_modes`` (engine backends), the rows at K = 0 and the default K run once
+per mode of ``SpeculativeDecoder(fused_correction=...)``: verify and correct in one engine
+call, or logits out of the engine and ``correct()`` after; ``summary`` sets them side by side.
+
 Each speculative row is also set against Leviathan et al.'s bound for its measured acceptance
 α and draft cost ratio c (``distance_to_bound``), and every row of ours shows where a round's
 time goes: draft, verify, correct, prefill and the rest ("other": Python between the phases).
@@ -72,6 +76,9 @@ class BenchRow:
     backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
     repeat_tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
+    fused_correction: str = "off"  # the decoder's fused_correction: on | off | auto
+    fused_rounds: int = 0  # rounds verified and corrected in one engine call
+    fused_fallback: dict = field(default_factory=dict)  # rounds run unfused, by reason
 
     @property
     def tokens_per_second(self) -> float:
@@ -130,7 +137,8 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
                              acceptance_floor=0.0,
-                             draft_len_schedule="auto" if row.schedule == "auto" else None)
+                             draft_len_schedule="auto" if row.schedule == "auto" else None,
+                             fused_correction=row.fused_correction)
     dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i: i + batch_size]
@@ -146,6 +154,10 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
                 tokens.extend(gained)
         wall = time.perf_counter() - t0
         row.spec_stats += row_stats
+        fused = dec.fused_stats()  # since this batch's reset
+        row.fused_rounds += fused["fused_rounds"]
+        for why, n in fused["fused_fallback"].items():
+            row.fused_fallback[why] = row.fused_fallback.get(why, 0) + n
         if token_ids is not None:
             token_ids += out
         # every round adds its phase times to each running row, so the row that ran longest
@@ -224,11 +236,12 @@ def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
     return row
 
 
-def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool
-         ) -> list[BenchRow]:
+def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool,
+         fused_modes: tuple[str, ...] = ("off",)) -> list[BenchRow]:
     """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
     K=4 for sampling with every sampling rule (exact and the lossy ones, their default
-    parameters); per drafter also the goodput policy (K chosen per round, up to 4)."""
+    parameters); per drafter also the goodput policy (K chosen per round, up to 4). Our rows
+    run with ``fused_modes[0]``; those at K = 0 and K=4 (fixed) once more per other mode."""
     rows: list[BenchRow] = []
     k_default = 4 if 4 in ks else ks[len(ks) // 2]
     for bs in batch_sizes:
@@ -250,13 +263,21 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
                 rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
                 if bs == 1 and "model" in drafters:
                     rows += [BenchRow("hf", "assisted", "greedy", k, 1, False) for k in sweep]
-    return rows
+    # each twin runs right after its row: their per-repeat ratio sees the same machine
+    out = []
+    for r in rows:
+        r.fused_correction = fused_modes[0]
+        out.append(r)
+        if r.system == "ours" and r.schedule == "fixed" and r.k in (0, k_default):
+            out += [BenchRow(r.system, r.variant, r.rule, r.k, r.batch_size, r.sampling,
+                             fused_correction=mode) for mode in fused_modes[1:]]
+    return out
 
 
 def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: list[list[int]],
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
-              repeats: int = 1) -> list[BenchRow]:
+              repeats: int = 1, fused_modes: tuple[str, ...] = ("off",)) -> list[BenchRow]:
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
@@ -265,7 +286,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
         hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
         hf_verifier.eval()
         hf_draft.eval()
-    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None)
+    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None, fused_modes)
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
         for row in rows:
@@ -284,10 +305,13 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                                                 else 0.0)
             progress.update()
     progress.close()
-    # ratios within this run
+    # ratios within this run (against the baseline of the same fused mode; the peers against
+    # the first mode's)
     for row in rows:
+        mode = row.fused_correction if row.system == "ours" else fused_modes[0]
         base = next(r for r in rows if r.system == "ours" and r.variant == "baseline"
-                    and r.batch_size == row.batch_size and r.sampling == row.sampling)
+                    and r.batch_size == row.batch_size and r.sampling == row.sampling
+                    and r.fused_correction == mode)
         row.speedup_vs_baseline = median_ratio(row, base)
         if row.system == "ours":
             phase_breakdown(row)
@@ -318,7 +342,7 @@ def compare_backends(rows: list[BenchRow], reference: str = "torch") -> dict:
             continue
         r.speedup_vs_torch = r.tokens_per_second / base.tokens_per_second
         per_batch = out.setdefault(r.backend, {}).setdefault(f"batch_{r.batch_size}", {})
-        per_batch[f"{r.variant} {r.rule} {k_label(r)}"] = r.speedup_vs_torch
+        per_batch[config_label(r)] = r.speedup_vs_torch
     for per_batch in out.values():
         for ratios in per_batch.values():
             spec = [v for k, v in ratios.items() if not k.startswith("baseline")]
@@ -331,6 +355,39 @@ def k_label(row: BenchRow) -> str:
     return f"K={row.k}" if row.schedule == "fixed" else f"K=auto<={row.k}"
 
 
+def fused_label(row: BenchRow) -> str:
+    return f" fused={row.fused_correction}" if row.fused_correction != "off" else ""
+
+
+def config_label(row: BenchRow) -> str:
+    return f"{row.variant} {row.rule} {k_label(row)}{fused_label(row)}"
+
+
+def fused_comparison(rows: list[BenchRow]) -> dict:
+    """Rows run with several fused_correction modes, side by side: {backend: {batch_B:
+    {config: {mode: tok/s, ..., "<mode>_over_<first mode>": median ratio}}}}, with the
+    rounds that fell back to the unfused path, by reason, where any did."""
+    out: dict = {}
+    groups: dict = {}
+    for r in rows:
+        if r.system == "ours":
+            key = (r.backend, r.batch_size, r.variant, r.rule, r.k, r.schedule)
+            groups.setdefault(key, []).append(r)
+    for (backend, bs, *_), group in groups.items():
+        if len(group) < 2:
+            continue
+        first = group[0]
+        cell = {r.fused_correction: r.tokens_per_second for r in group}
+        for r in group[1:]:
+            cell[f"{r.fused_correction}_over_{first.fused_correction}"] = median_ratio(r, first)
+        fallback = {r.fused_correction: r.fused_fallback for r in group if r.fused_fallback}
+        if fallback:
+            cell["fused_fallback"] = fallback
+        label = f"{first.variant} {first.rule} {k_label(first)}"
+        out.setdefault(backend, {}).setdefault(f"batch_{bs}", {})[label] = cell
+    return out
+
+
 def summary(rows: list[BenchRow]) -> dict:
     """Best speculative config per batch size (greedy) and how it compares: for the first
     backend at the top level, and per backend under "backends" when there are several."""
@@ -339,6 +396,9 @@ def summary(rows: list[BenchRow]) -> dict:
     if len(backends) > 1:
         out["backends"] = {b: best_configs([r for r in rows if r.backend == b])
                            for b in backends}
+    fused = fused_comparison(rows)
+    if fused:
+        out["fused_correction"] = fused
     return out
 
 
@@ -354,7 +414,7 @@ def best_configs(rows: list[BenchRow]) -> dict:
         peered = [r for r in spec if r.speedup_vs_hf_assisted is not None]
         best_vs_hf = max(peered, key=lambda r: r.speedup_vs_hf_assisted, default=None)
         out[f"batch_{bs}"] = {
-            "best": f"{best.variant} {k_label(best)}",
+            "best": f"{best.variant} {k_label(best)}{fused_label(best)}",
             "mean_k": best.mean_k,
             "speedup_vs_baseline": best.speedup_vs_baseline,
             "speedup_vs_hf_assisted_same_k": best.speedup_vs_hf_assisted,
@@ -378,13 +438,17 @@ def fmt(value: float | None, spec: str) -> str:
 
 def row_label(r: BenchRow) -> str:
     k = str(r.k) if r.schedule == "fixed" else f"auto{r.k}"
-    return f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:9s} {k:>6s} {r.batch_size:3d}"
+    fused = r.fused_correction if r.system == "ours" else "-"
+    return (f"{r.system:4s} {r.backend:7s} {r.variant:9s} {r.rule:9s} {k:>6s} {r.batch_size:3d} "
+            f"{fused:>5s}")
 
 
 def print_rows(rows: list[BenchRow]) -> None:
     """Two tables with the same rows: speed and the distance to Leviathan's bound, then
-    where a round's time goes (ms per round, and the share of the wall clock)."""
-    head = f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':9s} {'K':>6s} {'B':>3s}"
+    where a round's time goes (ms per round, and the share of the wall clock). ``fused``:
+    the decoder's fused_correction mode."""
+    head = (f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':9s} {'K':>6s} {'B':>3s} "
+            f"{'fused':>5s}")
     print(f"{head} {'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} "
           f"{'len':>5s} {'analytic':>8s} {'mean K':>6s} {'alpha':>5s} {'c':>5s} "
           f"{'bound':>6s} {'eff':>5s}")
@@ -418,8 +482,11 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # the first backend, and the transformers peers (measured against its baseline)
-    rows = [r for r in rows if r.backend == rows[0].backend or r.system == "hf"]
+    # the first backend in its first fused mode, and the transformers peers (measured
+    # against its baseline)
+    first = rows[0]
+    rows = [r for r in rows if r.system == "hf" or (
+        r.backend == first.backend and r.fused_correction == first.fused_correction)]
     bs0 = min(r.batch_size for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for variant in sorted({r.variant for r in rows if r.k and r.batch_size == bs0}):
