@@ -756,10 +756,10 @@ def load_config(path: str | Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"missing {config_file} (expected a HF-format checkpoint dir)")
-    hf = json.loads(config_file.read_text())
+    hf = json.loads(config_file.read_text(encoding="utf-8"))
     generation_file = path / "generation_config.json"
     if generation_file.is_file():
-        generation = json.loads(generation_file.read_text())
+        generation = json.loads(generation_file.read_text(encoding="utf-8"))
         if generation.get("eos_token_id") is not None:
             hf = {**hf, "eos_token_id": generation["eos_token_id"]}
     return ModelConfig.from_hf(hf)

@@ -61,7 +61,7 @@ def read_manifest(engine_dir: str | Path, verify: bool = True) -> dict:
     path = engine_dir / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"missing {path} (build one with `paradraft build`)")
-    manifest = json.loads(path.read_text())
+    manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}; "
                          f"got {manifest.get('format_version')!r}")
