@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from paradraft.runtime.model import load_model
+
+# The tests' models are tiny: thread start-up costs more than it saves (several times more on
+# a loaded 2-core CI machine). Servers and CLIs the tests start inherit the setting; tests of
+# the thread policy set their own counts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 transformers = pytest.importorskip("transformers")
 
