@@ -2,7 +2,9 @@
 # The GPU checks, on a host (or in the Dockerfile's image) with an NVIDIA GPU:
 #   nvidia-smi; the GPU correction kernel's tests on the GPU (TRITON_INTERPRET unset); the
 #   torch runtime on CUDA in bf16 (tests/test_cuda.py, generate --device cuda); TensorRT
-#   engines for the demo pair; the backend conformance suite; a Triton serve + query + loadtest
+#   engines for the demo pair; the fused (in-engine) correction against the unfused path;
+#   bench with the efficiency column (TensorRT fused on/off, torch CUDA bf16); the backend
+#   conformance suite; a Triton serve + query + loadtest
 #   smoke on those engines; the TensorRT-LLM build when tensorrt_llm is importable.
 # Every step runs (a failure does not stop the rest), is timed, and logs to $OUT/<step>.log;
 # one summary table at the end; the exit status is 1 when any step failed.
@@ -112,6 +114,32 @@ step "generate --device cuda" "$PARADRAFT" generate --device cuda --dtype bfloat
 # as many batch rows as `serve` has slots by default (16), or serve refuses the plans
 step "build tensorrt engines" "$PARADRAFT" build --backend tensorrt --max-batch-size 16 \
     --out "$ENGINES"
+
+# 3b. verify + correct in one TensorRT call (the CausalCorrection plugin): greedy output equals
+# the unfused path token for token, and no round fell back
+fused_check() {
+    local common=(generate --engines "$ENGINES" --prompt "def fibonacci(n):" --rule greedy
+                  --max-new-tokens 48 --ignore-eos --json)
+    "$PARADRAFT" "${common[@]}" --fused-correction on >"$OUT/fused_on.json" || return 1
+    "$PARADRAFT" "${common[@]}" --fused-correction off >"$OUT/fused_off.json" || return 1
+    "$PYTHON" - "$OUT/fused_on.json" "$OUT/fused_off.json" <<'PY'
+import json, sys
+on, off = (json.load(open(f)) for f in sys.argv[1:3])
+print("fused stats:", {k: on.get(k) for k in ("fused_rounds", "fused_fallback")})
+assert on["token_ids"] == off["token_ids"], "fused and unfused greedy outputs differ"
+assert on["fused_rounds"] > 0 and not on["fused_fallback"], "fell back"
+PY
+}
+step "fused correction (tensorrt)" fused_check
+
+# 3c. bench with the bound and efficiency columns: TensorRT engines (fused on and off) and the
+# torch runtime on CUDA in bf16, batch 1 and 8, draft model and PARD, K=4
+step "bench tensorrt (efficiency)" "$PARADRAFT" bench --backends tensorrt --engines "$ENGINES" \
+    --drafters model,parallel --ks 4 --batch-sizes 1,8 --fused-correction on,off --no-hf \
+    --out "$OUT/bench_tensorrt"
+step "bench torch cuda (efficiency)" "$PARADRAFT" bench --backends torch --device cuda \
+    --dtype bfloat16 --drafters model,parallel --ks 4 --batch-sizes 1,8 --no-hf \
+    --out "$OUT/bench_torch_cuda"
 
 # 4. the same suite on every backend present (tensorrt included now)
 step "conformance tests" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/test_conformance.py

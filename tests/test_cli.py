@@ -70,3 +70,15 @@ def test_cli_chat_needs_a_template():
     assert r.returncode == 2 and "has no chat template" in r.stderr
     r = run_cli("generate", "--prompt", "hi", "--system", "be brief", "--no-speculation")
     assert r.returncode == 2 and "--system needs --chat" in r.stderr
+
+
+def test_cli_bench_tensorrt_needs_its_engines_and_names_them(pair, tmp_path):
+    """bench's tensorrt rows run on a TensorRT engine dir given with --engines; without one,
+    or with another backend's engines, it refuses by name instead of benchmarking ONNX."""
+    r = run_cli("bench", "--verifier", pair[0], "--backends", "tensorrt", "--no-hf")
+    assert r.returncode == 2 and "tensorrt needs --engines" in r.stderr
+    r = run_cli("bench", "--verifier", pair[0], "--backends", "tensorrt,onnx", "--engines",
+                str(tmp_path))
+    assert r.returncode == 2 and "cannot run beside onnx" in r.stderr
+    r = run_cli("bench", "--verifier", pair[0], "--backends", "onnx,jax")
+    assert r.returncode == 2 and "torch, onnx, tensorrt" in r.stderr

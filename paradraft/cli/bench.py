@@ -46,9 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the whole plan this many times in turn; tokens/s are medians, "
                    "ratios the medians of per-repeat ratios")
     p.add_argument("--backends", default="torch",
-                   help="comma list of torch, onnx: run our variants on each, side by side")
+                   help="comma list of torch, onnx, tensorrt (with --engines): run our "
+                   "variants on each, side by side")
     p.add_argument("--engines", default=None,
-                   help="engine dir for the onnx backend (default: build into a temp dir)")
+                   help="engine dir for the onnx or tensorrt backend (onnx default: build "
+                   "into a temp dir)")
     add_draft_threads_arg(p)
     add_fused_correction_arg(p, several=True)
     p.set_defaults(run=run)
@@ -80,8 +82,13 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
 
 def run(args: argparse.Namespace) -> None:
     backends = args.backends.split(",")
-    if not backends or any(b not in ("torch", "onnx") for b in backends):
-        raise ValueError(f"backends must be a comma list of torch, onnx; got {args.backends!r}")
+    if not backends or any(b not in ("torch", "onnx", "tensorrt") for b in backends):
+        raise ValueError("backends must be a comma list of torch, onnx, tensorrt; got "
+                         f"{args.backends!r}")
+    if "tensorrt" in backends and ("onnx" in backends or args.engines is None):
+        # one --engines dir per run, and a TensorRT build takes minutes: not done on the side
+        raise ValueError("backends: tensorrt needs --engines (a paradraft build --backend "
+                         "tensorrt dir) and cannot run beside onnx in one bench run")
     ks = int_list(args.ks, "ks", 1, 16)
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
     if args.repeats < 1:
@@ -101,6 +108,9 @@ def run(args: argparse.Namespace) -> None:
                 drafters = load_drafters(args, verifier)
             else:
                 verifier, drafters, manifest = bench_engines(args, tmp, min(max(ks), MAX_K))
+                if manifest["backend"] != backend:
+                    raise ValueError(f"--engines {args.engines} holds {manifest['backend']} "
+                                     f"engines, not {backend}")
                 draft_precision = manifest.get("draft_precision", "float32")
             # the transformers peers run once, with the first backend
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
@@ -108,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
                                      temperature=args.temperature, repeats=args.repeats,
                                      # torch verifies in torch: nothing to fuse
-                                     fused_modes=fused_modes if backend == "onnx" else ("off",))
+                                     fused_modes=fused_modes if backend != "torch" else ("off",))
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows
