@@ -37,6 +37,11 @@ class QueueFull(RuntimeError):
     pass
 
 
+class ShuttingDown(RuntimeError):
+    """The scheduler stopped: requests still queued or running end with this (a server
+    answers them "unavailable: retry elsewhere", as a full queue)."""
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -112,7 +117,7 @@ class Scheduler:
         dropped: list[Request] = []
         with self.lock:
             if self.stopping:
-                raise RuntimeError("scheduler is shutting down")
+                raise ShuttingDown("scheduler is shutting down")
             if len(self.queue) >= self.max_queue + len(self.free):
                 # requests cancelled while they waited give their places up now, not only
                 # when a slot frees: clients that gave up must not keep others out
@@ -163,7 +168,7 @@ class Scheduler:
         while True:
             admitted = self._admit()
             if self.stopping:
-                self._fail_all(RuntimeError("server shutting down"))
+                self._fail_all(ShuttingDown("server shutting down"))
                 return
             try:
                 if admitted:

@@ -82,3 +82,22 @@ def test_cli_bench_tensorrt_needs_its_engines_and_names_them(pair, tmp_path):
     assert r.returncode == 2 and "cannot run beside onnx" in r.stderr
     r = run_cli("bench", "--verifier", pair[0], "--backends", "onnx,jax")
     assert r.returncode == 2 and "torch, onnx, tensorrt" in r.stderr
+
+
+def test_cli_serve_refuses_bad_placement_fused_correction_and_drain_by_name():
+    """`serve` checks its options before it starts anything (no tritonserver needed)."""
+    import torch
+
+    r = run_cli("serve", "--fused-correction", "maybe")
+    assert r.returncode == 2 and "--fused-correction: invalid choice: 'maybe'" in r.stderr
+    r = run_cli("serve", "--fused-correction", "on")  # the demo checkpoints, no engines
+    assert r.returncode == 2 and "fused_correction 'on' needs engines" in r.stderr
+    r = run_cli("serve", "--drain-seconds", "-1")
+    assert r.returncode == 2 and "drain_seconds must be >= 0; got -1.0" in r.stderr
+    r = run_cli("serve", "--instances", "0")
+    assert r.returncode == 2 and "instances must be an integer >= 1; got 0" in r.stderr
+    r = run_cli("serve", "--device", "cpu,tpu")
+    assert r.returncode == 2 and "device must be cpu, cuda or cuda:N; got 'tpu'" in r.stderr
+    if not torch.cuda.is_available():
+        r = run_cli("serve", "--device", "cuda")
+        assert r.returncode == 2 and "device 'cuda': CUDA is not available" in r.stderr

@@ -30,8 +30,6 @@ K8S = ROOT / "deploy" / "k8s"
 KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu"]
 # The Kubernetes version whose schemas the manifests must satisfy (strict: unknown fields fail)
 K8S_VERSION = "1.32.0"
-# `paradraft serve` flags another change of issue 26 adds; until then their checks xfail
-PENDING_SERVE_FLAGS = {"--openai-port", "--drain-seconds"}
 
 
 # -- a kustomize subset: resources + strategic-merge patches ------------------------------------
@@ -245,7 +243,7 @@ def test_ports_and_flags_are_what_serve_opens(name):
     c = container(RENDERED[name])
     ns, unknown = parsed_args(c)
     unknown_flags = {a for a in unknown if a.startswith("--")}
-    assert unknown_flags <= PENDING_SERVE_FLAGS, f"not `paradraft serve` flags: {unknown_flags}"
+    assert not unknown_flags, f"not `paradraft serve` flags: {unknown_flags}"
     assert ns.engines == "/engines"
     defaults = serve_parser().parse_args(["serve"])
     ports = serve_ports(c)
@@ -300,15 +298,17 @@ def test_grace_period_covers_prestop_and_drain(name):
 
 
 def test_pending_serve_flags_have_landed():
-    """--openai-port and --drain-seconds come with another change of issue 26: xfail until
-    `paradraft serve` has them, then their values and defaults are checked here."""
+    """--openai-port and --drain-seconds (issue 26) are `paradraft serve` flags: the parser
+    reads the manifest's values as given. The API is off unless asked for (no default port),
+    so the manifest names its port; the drain it asks for is serve's own default."""
     c = container(RENDERED["base"])
     ns, unknown = parsed_args(c)
-    missing = sorted(a for a in unknown if a.startswith("--"))
-    if missing:
-        pytest.xfail(f"paradraft serve has no {', '.join(missing)} yet")
-    assert ns.openai_port == serve_parser().parse_args(["serve"]).openai_port
-    assert float(ns.drain_seconds) == float(value_after(c["args"], "--drain-seconds"))
+    assert not [a for a in unknown if a.startswith("--")]
+    defaults = serve_parser().parse_args(["serve"])
+    assert defaults.openai_port is None
+    assert ns.openai_port == int(value_after(c["args"], "--openai-port"))
+    assert ns.drain_seconds == float(value_after(c["args"], "--drain-seconds"))
+    assert ns.drain_seconds == defaults.drain_seconds
 
 
 def exported_gauges() -> set[str]:

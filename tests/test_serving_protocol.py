@@ -17,7 +17,8 @@ def serve_args(**overrides) -> argparse.Namespace:
     options = dict(verifier=str(DEMO_DIR / "verifier"), draft=None, drafter="model", engines=None,
                    k=None, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
-                   stream_interval=1, draft_threads=1, acceptance_floor=0.6)
+                   stream_interval=1, draft_threads=1, acceptance_floor=0.6,
+                   fused_correction="auto", device=None, dtype=None, instances=1)
     return argparse.Namespace(**{**options, **overrides})
 
 
@@ -72,6 +73,92 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     assert (config.max_slots, config.max_seq_len, config.rule, config.k) == (16, 512, "greedy", 4)
 
 
+def engine_manifest(tmp_path, backend="onnx", graphs=("logits", "correction")) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format_version": 1, "backend": backend,
+        "limits": {"max_batch_size": 4, "max_k": 4, "max_seq_len": 256},
+        "rule_defaults": {"rule": "greedy"},
+        "models": {"verifier": {"config": {"eos_token_ids": [0]},
+                                "graphs": {g: {} for g in graphs}}}}))
+    return str(tmp_path)
+
+
+def test_serve_fused_correction_reaches_the_config_and_bad_values_are_refused_by_name(
+        tmp_path):
+    from paradraft.cli.serve import serve_config
+
+    engines = engine_manifest(tmp_path)
+    for mode in ("on", "off", "auto"):
+        assert serve_config(serve_args(engines=engines, fused_correction=mode)
+                            ).fused_correction == mode
+    assert serve_config(serve_args()).fused_correction == "auto"
+    with pytest.raises(ValueError, match="fused_correction 'on' needs engines"):
+        serve_config(serve_args(fused_correction="on"))  # checkpoints carry no graph
+    without = engine_manifest(tmp_path / "plain", graphs=("logits",))
+    with pytest.raises(ValueError, match="fused_correction 'on' needs a verifier engine"):
+        serve_config(serve_args(engines=without, fused_correction="on"))
+    with pytest.raises(ValueError, match=r"fused_correction must be one of on, off, auto; "
+                                         r"got 'maybe'"):
+        ServeConfig("verifier", "draft", fused_correction="maybe")
+
+
+def test_serve_places_instances_on_the_devices_listed(tmp_path):
+    """--device / --instances become the paradraft model's instance_group: one group per
+    distinct device, --instances on each listing (GPU groups name their GPU)."""
+    import torch
+
+    from paradraft.cli.serve import serve_config
+    from paradraft.runtime.serving.server import instance_count, instance_group
+
+    config = serve_config(serve_args(device="cpu,cpu"))
+    assert config.devices == ("cpu", "cpu")
+    assert instance_group(config) == "instance_group [ { count: 2, kind: KIND_CPU } ]"
+    config = ServeConfig("v", "d", devices=["cpu"], instances=3)  # as the JSON brings it
+    assert config.devices == ("cpu",) and instance_count(config) == 3
+    assert instance_group(config) == "instance_group [ { count: 3, kind: KIND_CPU } ]"
+    # GPU layouts are generated (and checked) here without a GPU
+    config = ServeConfig("v", "d", devices=("cuda:0", "cuda:1", "cuda"), instances=2)
+    assert instance_count(config) == 6
+    assert instance_group(config) == ("instance_group [ { count: 4, kind: KIND_GPU, gpus: "
+                                      "[ 0 ] }, { count: 2, kind: KIND_GPU, gpus: [ 1 ] } ]")
+    for kw, message in [(dict(devices=("gpu",)), "devices entries must be cpu, cuda or cuda:N"),
+                        (dict(devices=()), "devices must list at least one device"),
+                        (dict(instances=0), "instances must be an integer >= 1"),
+                        (dict(dtype="int8"), "dtype must be one of float32, bfloat16, float16")]:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig("v", "d", **kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda:1': CUDA is not available"):
+            serve_config(serve_args(device="cpu,cuda:1"))
+    engines = engine_manifest(tmp_path)
+    with pytest.raises(ValueError, match="device must be cpu with onnx engines"):
+        serve_config(serve_args(engines=engines, device="cuda:0"))
+    with pytest.raises(ValueError, match="leave --dtype unset with --engines"):
+        serve_config(serve_args(engines=engines, dtype="bfloat16"))
+    trt = engine_manifest(tmp_path / "trt", "tensorrt")
+    assert serve_config(serve_args(engines=trt)).devices == ("cuda",)  # plans run on a GPU
+    with pytest.raises(ValueError, match="device must be cuda or cuda:N with TensorRT"):
+        serve_config(serve_args(engines=trt, device="cpu"))
+
+
+def test_the_model_repository_follows_the_instances_and_keeps_no_placeholder(tmp_path):
+    from paradraft.runtime.serving.server import unquoted_placeholders, write_model_repo
+
+    config = ServeConfig("v", "d", devices=("cuda:0", "cuda:1"))
+    repo = write_model_repo(config, "tokenizer.json", tmp_path)
+    text = (repo / "paradraft" / "config.pbtxt").read_text()
+    assert ("instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] }, "
+            "{ count: 1, kind: KIND_GPU, gpus: [ 1 ] } ]") in text
+    assert f'string_value: "{tmp_path / "control"}"' in text
+    for name in ("paradraft", "preprocessing", "ensemble"):
+        text = (repo / name / "config.pbtxt").read_text()
+        assert "${" not in text and not unquoted_placeholders(text), name
+    # the JSON the model reads back gives the same config
+    written = json.loads((repo / "paradraft" / "paradraft.json").read_text())
+    assert ServeConfig(**written) == config
+
+
 def test_the_triton_model_imports_only_the_protocol_and_the_scheduler():
     """The decoupled Python model stays a thin adapter: none of the process launcher or the
     gRPC client comes into the Triton stub with it."""
@@ -84,7 +171,8 @@ def test_the_triton_model_imports_only_the_protocol_and_the_scheduler():
             imported |= {a.name for a in node.names if a.name.startswith("paradraft")}
     assert imported == {"paradraft.runtime.serving.protocol",
                         "paradraft.runtime.scheduler.QueueFull",
-                        "paradraft.runtime.scheduler.Request"}
+                        "paradraft.runtime.scheduler.Request",
+                        "paradraft.runtime.scheduler.ShuttingDown"}
 
 
 def test_num_draft_tokens_zero_turns_speculation_off_and_the_range_is_named():

@@ -435,6 +435,7 @@ def test_metrics_move_every_round_while_a_request_runs(server):
     while the request still holds its slot, not only when it finishes."""
     srv, _ = server
     before = metrics(srv, labelled=True)
+    one = 'instance="paradraft_0_0",model="paradraft"'  # labelled by model instance
     thread = threading.Thread(target=serving_client.complete,
                               args=(srv.grpc_url, "def long_function():", 280),
                               kwargs=dict(end_id=-1))
@@ -443,19 +444,19 @@ def test_metrics_move_every_round_while_a_request_runs(server):
     deadline = time.monotonic() + 60
     while len(seen) < 2 and time.monotonic() < deadline:
         m = metrics(srv, labelled=True)
-        if m.get('paradraft_active_sequences{model="paradraft"}') == 1 and (
-                not seen or m['paradraft_draft_tokens_total{model="paradraft"}']
-                > seen[-1]['paradraft_draft_tokens_total{model="paradraft"}']):
+        if m.get(f'paradraft_active_sequences{{{one}}}') == 1 and (
+                not seen or m[f'paradraft_draft_tokens_total{{{one}}}']
+                > seen[-1][f'paradraft_draft_tokens_total{{{one}}}']):
             seen.append(m)
         time.sleep(0.05)
     thread.join(120)
     assert len(seen) == 2, "no two scrapes saw the counters move during the stream"
-    first = 'paradraft_draft_tokens_by_position_total{model="paradraft",position="1"}'
+    first = f'paradraft_draft_tokens_by_position_total{{{one},position="1"}}'
     assert seen[1][first] > seen[0][first] > before.get(first, 0)
-    finished = 'paradraft_requests_total{model="paradraft"}'
+    finished = f'paradraft_requests_total{{{one}}}'
     assert seen[1][finished] == before.get(finished, 0)  # it was still running
-    accepted = [seen[1][f'paradraft_accepted_tokens_by_position_total{{model="paradraft",'
-                        f'position="{i}"}}'] for i in range(1, 5)]
+    accepted = [seen[1][f'paradraft_accepted_tokens_by_position_total{{{one},position="{i}"}}']
+                for i in range(1, 5)]
     assert accepted == sorted(accepted, reverse=True)  # a block is accepted as a prefix
 
 
@@ -662,7 +663,8 @@ def test_tensorrt_llm_client_defaults_are_accepted(server, local):
 
 @pytest.fixture(scope="module")
 def onnx_server(tmp_path_factory):
-    """A server on ONNX engines of the shipped models, as `make demo` runs one."""
+    """A server on ONNX engines of the shipped models, as `make demo` runs one, with the
+    correction fused into the verifier call (`serve --fused-correction on`)."""
     pytest.importorskip("onnxruntime")
     from paradraft.build.onnx import build_engines
 
@@ -672,7 +674,8 @@ def onnx_server(tmp_path_factory):
     config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=None, engines=str(engines), k=4,
         max_slots=SLOTS, max_queue=8, max_seq_len=MAX_SEQ, max_input_tokens=256,
-        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids)
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids,
+        fused_correction="on")
     srv = serving_server.start_server(config, str(engines / "tokenizer.json"),
                                       grpc_port=free_port(), http_port=free_port(),
                                       metrics_port=free_port(),
@@ -682,6 +685,7 @@ def onnx_server(tmp_path_factory):
 
 
 def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_server):
+    """Served with the fused correction, decoded in process without it: the same tokens."""
     from paradraft.runtime.backends.loader import load_engines
 
     srv, config = onnx_server
@@ -695,3 +699,182 @@ def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_serv
         got = serving_client.complete(srv.grpc_url, prompt, 24, stream=True)
         assert got.text == "".join(got.chunks) == tok.decode(ids, skip_special_tokens=True), prompt
         assert len(got.chunks) > 1 and got.total_draft_tokens > 0
+
+
+def by_instance(srv, name: str) -> dict[str, float]:
+    """One paradraft_* metric per model instance: {instance name: value}."""
+    out = {}
+    for key, value in metrics(srv, labelled=True).items():
+        m = re.fullmatch(name + r'\{.*instance="([^"]+)".*\}', key)
+        if m:
+            out[m.group(1)] = value
+    return out
+
+
+def test_two_cpu_instances_share_the_traffic_and_each_request_gets_its_solo_output(
+        tmp_path_factory):
+    """`serve --instances 2`: two model instances (processes, each with its own slots and
+    caches). Triton spreads the requests over both (their per-instance metrics move), and
+    every request, greedy or seeded sampled, gets what it gets alone in process. Stopping
+    the server with a stream still running ends that stream as UNAVAILABLE, and
+    tritonserver exits 0."""
+    config = protocol.ServeConfig(
+        verifier=str(MODELS / "verifier"), draft=str(MODELS / "draft"), k=4, max_slots=2,
+        max_queue=16, max_seq_len=MAX_SEQ, max_input_tokens=256, instances=2,
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids)
+    assert "count: 2, kind: KIND_CPU" in serving_server.instance_group(config)
+    tok = load_tokenizer(config.verifier)
+    verifier, draft = load_model(config.verifier), load_model(config.draft)
+
+    def solo(prompt, n, params, seed=0):
+        dec = SpeculativeDecoder(verifier, Drafter("model", draft), params, k=config.k,
+                                 max_batch_size=1, max_seq_len=MAX_SEQ)
+        ids = dec.generate([tok.encode(prompt).ids], n, seed=seed,
+                           eos_token_id=config.eos_token_id).token_ids[0]
+        return tok.decode(ids, skip_special_tokens=True)
+
+    # (prompt, tokens, sampling inputs): half greedy, half sampled with their own seeds
+    jobs = [(PROMPTS[i], 24 + 4 * i, {} if i % 2 == 0 else
+             {"temperature": 0.8, "random_seed": 1000 + i}) for i in range(8)]
+    want = [solo(p, n, RuleParams("exact", temperature=kw["temperature"]) if kw
+                 else RuleParams("greedy"), kw.get("random_seed", 0)) for p, n, kw in jobs]
+    srv = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+                                      grpc_port=free_port(), http_port=free_port(),
+                                      metrics_port=free_port(),
+                                      workdir=tmp_path_factory.mktemp("triton_instances"))
+    try:
+        assert srv.instances == 2
+        slots = by_instance(srv, "paradraft_slots")
+        assert slots == {"paradraft_0_0": 2, "paradraft_0_1": 2}, slots
+        got: list = [None] * len(jobs)
+
+        def run(i):
+            p, n, kw = jobs[i]
+            got[i] = serving_client.complete(srv.grpc_url, p, n, stream=True, **kw).text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == want
+        deadline = time.monotonic() + 10  # the finished requests' metrics flush at once
+        while sum(by_instance(srv, "paradraft_requests_total").values()) < len(jobs):
+            assert time.monotonic() < deadline, by_instance(srv, "paradraft_requests_total")
+            time.sleep(0.1)
+        finished = by_instance(srv, "paradraft_requests_total")
+        drafted = by_instance(srv, "paradraft_draft_tokens_total")
+        assert set(finished) == set(drafted) == {"paradraft_0_0", "paradraft_0_1"}
+        assert all(n > 0 for n in [*finished.values(), *drafted.values()]), (finished, drafted)
+        # a stream still running when the server stops ends as UNAVAILABLE (retry elsewhere)
+        started = threading.Event()
+        outcome = {}
+
+        def long_stream():
+            try:
+                outcome["done"] = serving_client.complete(
+                    srv.grpc_url, "def long_function():", 280, end_id=-1,
+                    on_text=lambda text: started.set())
+            except serving_client.ServerError as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=long_stream)
+        thread.start()
+        assert started.wait(60)
+    finally:
+        code = srv.stop()
+    thread.join(60)
+    assert code == 0, srv.log.read_text()[-3000:]
+    assert "error" in outcome, "the stream finished before the stop reached it"
+    assert outcome["error"].code == "UNAVAILABLE"
+    assert "server shutting down" in str(outcome["error"])
+
+
+def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_0(tmp_path):
+    """`paradraft serve --drain-seconds` as an orchestrator stops it: SIGTERM mid-stream.
+    New requests are refused as UNAVAILABLE over gRPC and with a 503 + Retry-After by the
+    OpenAI API, the running and queued streams finish whole, serve exits 0, and neither
+    tritonserver nor the API process is left (checked by pid)."""
+    import json
+    import signal
+    import types
+
+    openai_port = free_port()
+    template = tmp_path / "chat.jinja"  # the API's chat dir in tmp_path: its pid is found
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    # one slot and one queue place: the second long request waits in the queue (and must
+    # finish too), and any other request is refused at once, as queue full until the drain
+    proc = start_serve_command(tmp_path, "--max-slots", "1", "--max-queue", "1",
+                               "--max-seq-len", "512", "--drain-seconds", "120",
+                               "--openai-port", str(openai_port),
+                               "--chat-template", str(template))
+    outcome: dict = {}
+    threads = []
+    try:
+        line = ""
+        deadline = time.monotonic() + 240
+        while "Triton ready" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "serve exited before it was ready"
+        url = re.search(r"gRPC (\S+),", line).group(1)
+        port = int(re.search(r"metrics http://[^:]+:(\d+)/", line).group(1))
+        srv = types.SimpleNamespace(host="127.0.0.1", metrics_port=port)  # for metrics()
+        pids = tritonservers_in(tmp_path)
+        assert len(pids) == 2  # tritonserver and the API
+
+        def long_stream(i):
+            try:
+                outcome[i] = serving_client.complete(url, "def long_function():", 400,
+                                                     end_id=-1)
+            except Exception as e:  # recorded for the assertions below
+                outcome[i] = e
+
+        threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while (metrics(srv).get("paradraft_active_sequences"),
+               metrics(srv).get("paradraft_queue_depth")) != (1, 1):
+            assert time.monotonic() < deadline, "the long streams did not start"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        while "paradraft: draining" not in line:
+            line = proc.stdout.readline()
+            assert line, "serve exited instead of draining"
+        # a few probes, spaced: the instance reads the drain within 0.1 s (Triton 2.51 can
+        # crash under a storm of refused gRPC streams, a race of its own; see serving.md)
+        for _ in range(20):
+            time.sleep(0.3)
+            with pytest.raises(serving_client.ServerError) as e:
+                serving_client.complete(url, "def f():", 1)
+            assert e.value.code == "UNAVAILABLE", e.value  # queue full, then draining
+            if "draining" in str(e.value):
+                break
+        assert "server shutting down (draining)" in str(e.value), e.value
+        assert any(t.is_alive() for t in threads), "the streams ended before the drain began"
+        body = json.dumps({"model": "paradraft", "prompt": "def f():", "max_tokens": 4})
+        req = urllib.request.Request(f"http://127.0.0.1:{openai_port}/v1/completions",
+                                     data=body.encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+        assert "draining" in json.loads(e.value.read())["error"]["message"]
+        for t in threads:
+            t.join(120)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:  # a failure above: SIGINT stops serve and its tritonserver
+            proc.send_signal(signal.SIGINT)  # (SIGKILL would orphan it in its own session)
+            try:
+                proc.wait(60)
+            except Exception:
+                proc.kill()
+    for i in range(2):
+        done = outcome[i]
+        assert not isinstance(done, Exception), done
+        assert sum(done.chunk_tokens) == 400 and done.finish_reason == "length"
+    assert proc.returncode == 0, out
+    assert "paradraft: drained" in out and "tritonserver stopped (0)" in out, out
+    time.sleep(0.5)  # the kernel reaps the stopped processes
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert tritonservers_in(tmp_path) == []

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from paradraft.runtime.backends.manifest import read_manifest
-from paradraft.runtime.checkpoints import DEMO_DIR, chat_template
+from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
 from paradraft.runtime.drafters import DRAFTERS
 from paradraft.runtime.k_policy import parse_draft_len_schedule
@@ -22,7 +22,12 @@ from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, sta
 from paradraft.runtime.serving.protocol import ServeConfig
 from paradraft.runtime.serving.server import Server, start_server
 
-from .common import add_acceptance_floor_arg, add_draft_threads_arg, check_engine_limits
+from .common import (
+    add_acceptance_floor_arg,
+    add_draft_threads_arg,
+    add_fused_correction_arg,
+    check_engine_limits,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also serve the OpenAI-compatible API (/v1/completions, "
                    "/v1/chat/completions, /v1/models) on this port")
     p.add_argument("--workdir", type=Path, default=None, help="where the repository goes")
+    p.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, stop admitting (new requests: UNAVAILABLE / 503) and let "
+                   "running requests finish for up to S seconds before stopping; SIGINT and "
+                   "a second signal stop at once (default 30)")
     p.set_defaults(run=run)
 
 
@@ -56,6 +65,17 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
     add_draft_threads_arg(s)
     add_acceptance_floor_arg(s)
+    add_fused_correction_arg(s)
+    s.add_argument("--device", default=None, metavar="DEVICE[,DEVICE...]",
+                   help="where the model instances run: cpu, cuda or cuda:N (cuda = cuda:0); "
+                   "a comma list puts --instances on each (cuda:0,cuda:1: one per GPU). "
+                   "Default: cpu, or cuda for TensorRT engines")
+    s.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights and KV cache of checkpoints; default: the checkpoint's "
+                   "torch_dtype on CUDA, float32 on the CPU")
+    s.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="model instances on each device: each is a process with its own "
+                   "--max-slots slots and caches, and Triton spreads requests over them")
     s.add_argument("--k", type=int, default=None,
                    help="draft tokens per round (default: 4, at most the engines' max_k)")
     s.add_argument("--rule", choices=RULES, default=None,
@@ -99,13 +119,16 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         k = min(4, limits["max_k"]) if args.k is None else args.k
         check_engine_limits(manifest, max_slots, max_seq_len, k,
                             ("max_slots", "max_seq_len", "k"))
+        check_engine_placement(manifest, args)
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
+        backend = manifest.get("backend")
     else:
         defaults = {}
         max_slots = 16 if args.max_slots is None else args.max_slots
         max_seq_len = 512 if args.max_seq_len is None else args.max_seq_len
         k = 4 if args.k is None else args.k
         eos = load_model_config_eos(verifier)
+        backend = None
     manifest_rule = defaults.pop("rule", "greedy")
     rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
     temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
@@ -119,18 +142,57 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
                        draft_len_schedule=args.draft_len_schedule,
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
-                       acceptance_floor=args.acceptance_floor)
+                       acceptance_floor=args.acceptance_floor,
+                       fused_correction=args.fused_correction, dtype=args.dtype,
+                       devices=devices_arg(args.device, backend), instances=args.instances)
+
+
+def devices_arg(text: str | None, backend: str | None = None) -> tuple[str, ...]:
+    """``--device``: a comma list of devices, each checked on this machine (``cuda`` where
+    CUDA is missing is refused by name). Unset: cpu, or cuda for TensorRT engines."""
+    if text is None:
+        return ("cuda",) if backend == "tensorrt" else ("cpu",)
+    names = tuple(name.strip() for name in text.split(","))
+    for name in names:
+        resolve_device(name)
+    return names
+
+
+def check_engine_placement(manifest: dict, args: argparse.Namespace) -> None:
+    """Engines fix their precision and where they run: ONNX Runtime engines on the CPU,
+    TensorRT plans on a GPU; a fused correction needs the verifier's correction graph."""
+    if args.dtype is not None:
+        raise ValueError(f"dtype: the engines' precision was fixed by `paradraft build`; "
+                         f"leave --dtype unset with --engines (got {args.dtype})")
+    backend = manifest.get("backend")
+    devices = [] if args.device is None else [d.strip() for d in args.device.split(",")]
+    for device in devices:
+        on_gpu = device.startswith("cuda")
+        if backend == "tensorrt" and not on_gpu:
+            raise ValueError(f"device must be cuda or cuda:N with TensorRT engines; got "
+                             f"{device!r}")
+        if backend != "tensorrt" and on_gpu:
+            raise ValueError(f"device must be cpu with {backend} engines (ONNX Runtime runs "
+                             f"them on the CPU); got {device!r}")
+    graphs = manifest["models"]["verifier"].get("graphs", {})
+    if args.fused_correction == "on" and "correction" not in graphs:
+        raise ValueError(f"fused_correction 'on' needs a verifier engine with a correction "
+                         f"graph; {args.engines} has none (use auto or off)")
 
 
 def load_model_config_eos(model_dir: str) -> tuple[int, ...]:
     return load_config(model_dir).eos_token_ids
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: an orchestrator's stop, which ``serve`` answers with a drain."""
+
+
 def interrupt_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt, as SIGINT does, so the ``finally`` that stops
-    tritonserver runs for both; tritonserver has its own session and never sees them."""
+    """SIGTERM raises Terminated, a KeyboardInterrupt as SIGINT's, so the ``finally`` that
+    stops tritonserver runs for both; tritonserver has its own session and never sees them."""
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
 
@@ -209,6 +271,8 @@ def run(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"missing {tokenizer}")
     if args.openai_port is not None and not 1 <= args.openai_port <= 65535:
         raise ValueError(f"openai_port must be in [1, 65535]; got {args.openai_port}")
+    if not args.drain_seconds >= 0:
+        raise ValueError(f"drain_seconds must be >= 0; got {args.drain_seconds}")
     interrupt_on_sigterm()
     try:  # start_server stops the process itself if interrupted before it is ready
         server = start_server(config, tokenizer, host=args.host, grpc_port=args.grpc_port,
@@ -218,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
         print("paradraft: interrupted before tritonserver was ready; stopped it", flush=True)
         return
     api = None
+    drain = 0.0
     try:  # the ready line is inside: a signal that lands while it prints still stops the server
         if args.openai_port is not None:
             api = start_openai_server(openai_config(args, config, server, args.openai_port),
@@ -231,10 +296,31 @@ def run(args: argparse.Namespace) -> None:
         if api is not None and api.process.poll() is not None:
             print(f"paradraft: the OpenAI API exited ({api.process.returncode}; log "
                   f"{server.workdir / 'openai.log'}); stopping", file=sys.stderr, flush=True)
+    except Terminated:
+        drain = args.drain_seconds
     except KeyboardInterrupt:
         pass
+    finally:
+        code = shut_down(server, api, drain)
+    print(f"paradraft: tritonserver stopped ({code})", flush=True)
+
+
+def shut_down(server: Server, api: OpenAIServer | None, drain_seconds: float) -> int:
+    """Stop the OpenAI API and tritonserver. With ``drain_seconds`` the model instances first
+    refuse new requests (UNAVAILABLE; the API answers 503) while the running ones finish, for
+    up to that long; the API stays up meanwhile, for its own running streams. A signal
+    during the drain ends it; whatever still runs then ends as UNAVAILABLE."""
+    try:
+        if drain_seconds > 0 and server.process.poll() is None:
+            print(f"paradraft: draining: new requests are refused; waiting up to "
+                  f"{drain_seconds:g} s for the running ones", flush=True)
+            drained = server.drain(drain_seconds)
+            print("paradraft: drained" if drained else "paradraft: drain deadline passed; "
+                  "ending the requests still running", flush=True)
+    except KeyboardInterrupt:
+        print("paradraft: interrupted; stopping now", flush=True)
     finally:
         if api is not None:
             api.stop()
         code = server.stop()
-    print(f"paradraft: tritonserver stopped ({code})", flush=True)
+    return code

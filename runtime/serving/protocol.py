@@ -12,16 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..backends.loader import load_engines
 from ..backends.trt import check_limits
-from ..checkpoints import load_draft
+from ..checkpoints import DTYPES, load_draft, resolve_dtype
 from ..correction import RULES, RuleParams, check_range
 from ..drafters import DRAFTERS, Drafter
 from ..k_policy import check_draft_len_schedule
 from ..model import load_model
 from ..scheduler import Scheduler
-from ..speculative import SpeculativeDecoder
+from ..speculative import FUSED_MODES, SpeculativeDecoder
 
 
 @dataclass
@@ -54,15 +55,40 @@ class ServeConfig:
     stream_interval: int = 1
     draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
     acceptance_floor: float = 0.6  # warn when the running acceptance rate falls below
+    # verify and correct in one engine call (engine dirs with a correction graph): on | off |
+    # auto, as SpeculativeDecoder's fused_correction
+    fused_correction: str = "auto"
+    # weights and KV cache of checkpoints (float32 | bfloat16 | float16); None: the
+    # checkpoint's torch_dtype on CUDA, float32 on the CPU (as `generate`)
+    dtype: str | None = None
+    # where the model instances run, `instances` on each entry (cpu, cuda, cuda:N; cuda is
+    # cuda:0): each instance is its own process with its own slots and caches, and Triton
+    # spreads requests over them (the model's instance_group follows this list)
+    devices: tuple[str, ...] = ("cpu",)
+    instances: int = 1
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
                           ("max_input_tokens", 1), ("stream_interval", 1),
-                          ("draft_threads", 1)]:
+                          ("draft_threads", 1), ("instances", 1)]:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
         check_range("acceptance_floor", self.acceptance_floor, 0.0, 1.0)
+        self.devices = tuple(self.devices)  # JSON brings a list
+        if not self.devices:
+            raise ValueError("devices must list at least one device (cpu, cuda or cuda:N)")
+        for device in self.devices:
+            gpu_index(device)  # the syntax; whether the device exists is the caller's check
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or unset; "
+                             f"got {self.dtype!r}")
+        if self.fused_correction not in FUSED_MODES:
+            raise ValueError(f"fused_correction must be one of {', '.join(FUSED_MODES)}; "
+                             f"got {self.fused_correction!r}")
+        if self.fused_correction == "on" and not self.engines:
+            raise ValueError("fused_correction 'on' needs engines (an engine dir whose "
+                             "verifier carries the correction graph); checkpoints have none")
         if self.disable_by_batch_size is not None and (
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_disable_by_batch_size must be an integer >= 1 or "
@@ -84,8 +110,35 @@ class ServeConfig:
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
 
 
-def build_scheduler(config: ServeConfig):
-    """The decoder behind the server: in-flight batching over ``max_slots`` cache slots."""
+def gpu_index(device: str) -> int | None:
+    """The GPU of a ``devices`` entry: None for ``cpu``, N for ``cuda:N`` (0 for ``cuda``)."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        return 0
+    head, _, index = device.partition(":")
+    if head != "cuda" or not index.isdigit():
+        raise ValueError(f"devices entries must be cpu, cuda or cuda:N; got {device!r}")
+    return int(index)
+
+
+def instance_device(config: ServeConfig, kind: str = "", device_id: int = 0) -> str:
+    """The torch device of one model instance: Triton's ``model_instance_kind`` (CPU / GPU)
+    and ``model_instance_device_id``; without them (in process), the first of ``devices``."""
+    if kind == "GPU":
+        return f"cuda:{device_id}"
+    if kind == "CPU":
+        return "cpu"
+    first = gpu_index(config.devices[0])
+    return "cpu" if first is None else f"cuda:{first}"
+
+
+def build_scheduler(config: ServeConfig, device: str | None = None):
+    """The decoder behind the server: in-flight batching over ``max_slots`` cache slots, on
+    ``device`` (default: the first of ``config.devices``)."""
+    device = device or instance_device(config)
+    if device.startswith("cuda"):  # TensorRT engines bind the current CUDA device
+        torch.cuda.set_device(device)
     if config.engines:
         verifier, drafters, _, manifest = load_engines(config.engines,
                                                        draft_threads=config.draft_threads)
@@ -93,17 +146,20 @@ def build_scheduler(config: ServeConfig):
             check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
     else:
-        verifier = load_model(config.verifier)
+        dtype = resolve_dtype(config.verifier, torch.device(device), config.dtype)
+        verifier = load_model(config.verifier, dtype=dtype, device=device)
         if config.drafter == "self":
             drafter = Drafter("self", verifier)
         else:
             drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
-                                                         verifier.config.vocab_size))
+                                                         verifier.config.vocab_size,
+                                                         dtype=dtype, device=device))
     decoder = SpeculativeDecoder(
         verifier, drafter, default_params(config), k=config.k,
         max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
         disable_by_batch_size=config.disable_by_batch_size,
         draft_len_schedule=config.draft_len_schedule, acceptance_floor=config.acceptance_floor,
+        fused_correction=config.fused_correction,
     )
     if config.draft_len_schedule == "auto":
         decoder.calibrate()  # before the scheduler owns the slots

@@ -24,11 +24,12 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .protocol import ServeConfig
+from .protocol import ServeConfig, gpu_index
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
 MODELS = ("preprocessing", "paradraft", "ensemble")
-
+# how long stop() lets the model instances end their requests before tritonserver exits
+STOP_WAIT_S = 10.0
 
 
 def site_packages() -> str:
@@ -85,15 +86,37 @@ def unquoted_placeholders(text: str) -> list[str]:
 
 
 
+def instance_group(config: ServeConfig) -> str:
+    """The paradraft model's ``instance_group``: ``config.instances`` per ``config.devices``
+    entry, one group per distinct device (KIND_CPU, or KIND_GPU on that one GPU: Triton
+    runs ``count`` instances on each GPU a group lists)."""
+    counts: dict[int | None, int] = {}
+    for device in config.devices:
+        gpu = gpu_index(device)
+        counts[gpu] = counts.get(gpu, 0) + config.instances
+    groups = [f"{{ count: {n}, kind: KIND_CPU }}" if gpu is None
+              else f"{{ count: {n}, kind: KIND_GPU, gpus: [ {gpu} ] }}"
+              for gpu, n in counts.items()]
+    return "instance_group [ " + ", ".join(groups) + " ]"
+
+
+def instance_count(config: ServeConfig) -> int:
+    return config.instances * len(config.devices)
+
+
 def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Path:
-    """Fill the templates for this deployment; returns the repository path."""
+    """Fill the templates for this deployment; returns the repository path. The model
+    instances follow ``out/control`` (``Server.drain``, ``Server.stop``)."""
     repo = out / "model_repository"
+    shutil.rmtree(out / "control", ignore_errors=True)  # a reused workdir's last shutdown
     values = {
         "tokenizer_path": tokenizer_path,
         "max_input_tokens": str(config.max_input_tokens),
         "site_packages": site_packages(),
         "preprocessing_instances": "2",
         "model_config": str(repo / "paradraft" / "paradraft.json"),
+        "control_dir": str(out / "control"),
+        "instance_group": instance_group(config),
     }
     for name in MODELS:
         src, dst = TEMPLATES / name, repo / name
@@ -131,15 +154,47 @@ class Server:
     metrics_port: int
     workdir: Path
     log: Path
+    instances: int = 1  # paradraft model instances, each reporting to the control dir
+    ready: bool = False  # the models loaded: their instances follow the control dir
 
     @property
     def grpc_url(self) -> str:
         return f"{self.host}:{self.grpc_port}"
 
+    @property
+    def control(self) -> Path:
+        return self.workdir / "control"
+
+    def drain(self, seconds: float) -> bool:
+        """Stop admitting (each model instance refuses new requests as UNAVAILABLE) and
+        wait up to ``seconds`` for the running and queued ones to finish; True if all did.
+        Triton stays up meanwhile, so the running streams keep flowing."""
+        return self.tell_instances("drain", seconds)
+
+    def tell_instances(self, mode: str, seconds: float) -> bool:
+        """Tell every model instance ``mode`` (``drain``: refuse new requests; ``stop``: also
+        end the running and queued ones as UNAVAILABLE) and wait up to ``seconds`` until each
+        reports that its last request has had its final response."""
+        if not self.ready or self.process.poll() is not None:
+            return False
+        self.control.mkdir(parents=True, exist_ok=True)
+        staged = self.control / "mode.new"
+        staged.write_text(mode)
+        staged.replace(self.control / "mode")  # atomic: an instance never reads half of it
+        deadline = time.monotonic() + seconds
+        while len(list(self.control.glob(f"*.{mode}"))) < self.instances:
+            if time.monotonic() >= deadline or self.process.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, timeout: float = 30) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # tritonserver drains and exits on SIGINT
             try:
+                # the instances end what still runs first: told to exit with a decoupled
+                # stream in flight, tritonserver 2.51 crashed (SIGSEGV) instead of draining
+                self.tell_instances("stop", min(timeout, STOP_WAIT_S))
+                self.process.send_signal(signal.SIGINT)  # tritonserver unloads and exits
                 self.process.wait(timeout)
             except BaseException:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
                 self.process.kill()
@@ -168,7 +223,8 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
            f"--metrics-port={metrics_port}", "--log-info=true"]
     process = subprocess.Popen(cmd, env=server_env(binary), stdout=log.open("w"),
                                stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log)
+    server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log,
+                    instances=instance_count(config))
     url = f"http://{host}:{http_port}/v2/health/ready"
     try:
         deadline = time.monotonic() + ready_timeout
@@ -179,6 +235,7 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
+                        server.ready = True
                         return server
             except OSError:
                 pass

@@ -10,7 +10,11 @@ The model detokenises its own output (incrementally, special tokens left out), s
 response leaves with its text and the ensemble needs no postprocessing model: one IPC hop
 per response instead of three. Request parsing, detokenisation and the decoder set-up are
 paradraft.runtime.serving.protocol's (tested in process); this file only adapts them to
-Triton."""
+Triton.
+
+Each model instance (``instance_group``) is a process of its own on its device, with its own
+scheduler and slots; its metrics carry its name. A control thread follows ``paradraft
+serve``'s drain and stop (``Server.drain``, ``Server.stop`` in runtime/serving/server.py)."""
 
 import functools
 import json
@@ -19,6 +23,7 @@ import queue
 import site
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -37,6 +42,8 @@ CANCEL_POLL_S = 0.05
 # trip per metric that moved: 2 + 2K counters a round would cost a c1 round ~5 %), and at once
 # when a request finishes
 METRICS_FLUSH_S = 0.05
+# how often an instance reads `paradraft serve`'s control file (a drain or a stop)
+CONTROL_POLL_S = 0.1
 
 
 class Metrics:
@@ -46,7 +53,7 @@ class Metrics:
     them (``flush``), one flush at a time: rounds that finish while a flush is queued are
     folded into it, so a busy server sends fewer, larger updates."""
 
-    def __init__(self, k, slots):
+    def __init__(self, k, slots, instance):
         self.families = []  # a MetricFamily must outlive its Metrics: keep them all
 
         def family(name, kind, text):
@@ -54,7 +61,7 @@ class Metrics:
             return self.families[-1]
 
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        labels = {"model": "paradraft"}
+        labels = {"model": "paradraft", "instance": instance}
         self.drafted = family("paradraft_draft_tokens_total", counter,
                               "draft tokens proposed").Metric(labels=labels)
         self.accepted = family("paradraft_accepted_tokens_total", counter,
@@ -208,22 +215,62 @@ class TritonPythonModel:
         locale.setlocale(locale.LC_CTYPE, "")
         from tokenizers import Tokenizer
 
-        from paradraft.runtime.scheduler import QueueFull, Request
+        from paradraft.runtime.scheduler import QueueFull, Request, ShuttingDown
         from paradraft.runtime.serving import protocol
 
         self.protocol, self.Request, self.QueueFull = protocol, Request, QueueFull
+        self.ShuttingDown = ShuttingDown
         with open(params["model_config"]) as f:
             self.config = protocol.ServeConfig(**json.load(f))
         self.tokenizer = Tokenizer.from_file(params["tokenizer_path"])
-        self.scheduler = protocol.build_scheduler(self.config)
+        # this instance's device: Triton places each instance of the instance_group
+        self.instance = args["model_instance_name"]
+        device = protocol.instance_device(self.config, args["model_instance_kind"],
+                                          int(args["model_instance_device_id"]))
+        self.scheduler = protocol.build_scheduler(self.config, device)
         self.k = max(self.config.k, 1)
-        self.metrics = Metrics(self.k, self.config.max_slots)
+        self.metrics = Metrics(self.k, self.config.max_slots, self.instance)
         self.live = {}  # request id -> its Stream, for requests running or queued
+        # requests accepted whose final response has not gone out yet: the drain waits for 0
+        self.open = 0
+        self.open_lock = threading.Lock()
+        self.draining = False  # set by the control thread: new requests are refused
+        self.control = Path(params["control_dir"])
         # FIFO: one thread keeps every request's responses in order (final one last)
         self.outbox = queue.SimpleQueue()
         self.sender_thread = threading.Thread(target=self.send_loop, name="paradraft-sender",
                                               daemon=True)
         self.sender_thread.start()
+        self.closing = threading.Event()
+        # its own thread: the sender may be busy for long, and a drain must not wait on it
+        self.control_thread = threading.Thread(target=self.follow_control,
+                                               name="paradraft-control", daemon=True)
+        self.control_thread.start()
+
+    def follow_control(self):
+        """`paradraft serve` writes ``drain`` (on SIGTERM: refuse new requests, finish the
+        running ones) or ``stop`` (before tritonserver exits: end them all now, as
+        UNAVAILABLE) to ``control_dir/mode``; this instance answers with
+        ``control_dir/<instance>.<mode>`` once its last request had its final response."""
+        mode, reported = "", ""
+        while not self.closing.wait(CONTROL_POLL_S):
+            try:
+                asked = (self.control / "mode").read_text().strip()
+            except OSError:  # no drain or stop asked for
+                continue
+            self.draining = True
+            if asked == "stop" and mode != "stop":
+                self.scheduler.stop()  # running and queued requests end with ShuttingDown
+            mode = asked
+            with self.open_lock:
+                idle = self.open == 0
+            if idle and mode != reported:
+                (self.control / f"{self.instance}.{mode}").touch()
+                reported = mode
+
+    def opened(self, n):
+        with self.open_lock:
+            self.open += n
 
     def send_loop(self):
         while True:
@@ -247,20 +294,31 @@ class TritonPythonModel:
                 if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
                     self.stop(request.request_id(), sender, wanted)
                     continue
+                if self.draining:  # the same class as a full queue: retry (elsewhere)
+                    raise self.ShuttingDown("server shutting down (draining): not admitting "
+                                            "new requests; retry later")
                 inputs = {}
                 for name in self.protocol.REQUEST_INPUTS:
                     tensor_ = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor_ is not None:
                         inputs[name] = tensor_.as_numpy()
                 parsed = self.protocol.parse_request(inputs, self.config)
-                self.scheduler.submit(self.make_request(parsed, sender, wanted,
-                                                        request.request_id()))
+                self.submit(self.make_request(parsed, sender, wanted, request.request_id()))
                 self.note_state()  # the queue depth moves at once, not at the next round
             except ValueError as e:
                 sender.send(error(str(e), INVALID), flags=FINAL)
             except (self.QueueFull, RuntimeError) as e:  # full, or shutting down: retry later
                 sender.send(error(str(e), UNAVAILABLE), flags=FINAL)
         return None
+
+    def submit(self, request):
+        """Hand a request to the scheduler; it counts as open until its final response."""
+        self.opened(1)
+        try:
+            self.scheduler.submit(request)
+        except BaseException:
+            self.opened(-1)  # refused: its caller answers it, and on_done never runs
+            raise
 
     def note_state(self):
         if self.metrics.add(scheduler=self.scheduler):
@@ -332,6 +390,12 @@ class TritonPythonModel:
                                          list(s.tokens)))
 
         def finish(stats, failure, chunk, tokens):  # the sender thread
+            try:
+                send_final(stats, failure, chunk, tokens)
+            finally:
+                self.opened(-1)
+
+        def send_final(stats, failure, chunk, tokens):
             if failure is None and stats is not None:
                 try:
                     text = s.detokenizer.add(chunk) + s.detokenizer.finish()
@@ -340,7 +404,10 @@ class TritonPythonModel:
                                     self.protocol.finish_reason(tokens, parsed))
                 except Exception as e:  # every request must end with a final response:
                     failure = e  # Triton waits for it before the model can unload
-            if failure is not None:
+            if isinstance(failure, self.ShuttingDown):  # the server stops: retry elsewhere
+                sender.send(error(f"{failure}: the request did not finish; retry",
+                                  UNAVAILABLE), flags=FINAL)
+            elif failure is not None:
                 sender.send(error(f"generation failed: {failure}", INTERNAL), flags=FINAL)
             elif stats is None:  # cancelled or stopped: close the response stream
                 sender.send(flags=FINAL)
@@ -359,6 +426,8 @@ class TritonPythonModel:
         return me
 
     def finalize(self):
+        self.closing.set()
+        self.control_thread.join(timeout=5)
         self.scheduler.stop()
         self.outbox.put(None)
         self.sender_thread.join(timeout=30)
