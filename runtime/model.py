@@ -376,10 +376,14 @@ def token_ids(name: str, value: int | list[int] | tuple[int, ...] | None) -> tup
 
 @dataclass
 class KVCache:
-    """Per layer K and V of shape [slots, max_seq_len, n_kv_heads, head_dim]."""
+    """Per layer K and V of shape [slots, max_seq_len, n_kv_heads, head_dim]. ``buffer``
+    (optional, ``new_kv_cache`` makes one): [layers, 2, slots, max_seq_len, n_kv_heads,
+    head_dim], the memory k[i] = buffer[i, 0] and v[i] = buffer[i, 1] are views of, so an
+    engine step's K/V for every layer land in the cache with one indexed write."""
 
     k: list[Tensor]
     v: list[Tensor]
+    buffer: Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -427,11 +431,13 @@ def new_kv_cache(
     config: ModelConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"
 ) -> KVCache:
     check_cache_len(config, max_seq_len)
-    shape = (num_slots, max_seq_len, config.n_kv_heads, config.head_dim)
-    return KVCache(
-        k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)],
-        v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)],
-    )
+    buffer = torch.zeros(config.n_layers, 2, num_slots, max_seq_len, config.n_kv_heads,
+                         config.head_dim, dtype=dtype, device=device)
+    # detached views: each layer's K and V is its own tensor to autograd (as separate
+    # allocations were), while their memory is the one buffer an engine step writes at once
+    layers = range(config.n_layers)
+    return KVCache(k=[buffer[i, 0].detach() for i in layers],
+                   v=[buffer[i, 1].detach() for i in layers], buffer=buffer)
 
 
 def attention_mask(input_pos: Tensor, kv_len: int) -> Tensor:

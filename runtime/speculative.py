@@ -9,7 +9,10 @@ new length are never read before the next round overwrites them. The draft cache
 same lengths (each draft pass re-feeds the few real tokens it may not have seen yet).
 
 The device work of a round is vectorised over rows and positions; the round ends with one
-host transfer (the tokens each row gained, for streaming, plus the stop flags).
+host transfer (each row's accepted count and emitted block). The host keeps what it can
+derive from that transfer (lengths, the stop rule, the metrics) in plain lists, so a round
+runs few small device ops: on a CPU each costs microseconds, enough to show next to a small
+model's step.
 
 Fused correction: where the verifier engine ends in the ``CausalCorrection`` op (an engine
 dir's correction graph), verify and correct can be one engine call that returns only the
@@ -50,6 +53,9 @@ MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-
 EosIds = int | Sequence[int] | None
 FUSED_MODES = ("on", "off", "auto")
 AUDIT_NEEDS_LOGITS = "audit: the attention causal audit needs the verifier's logits"
+# a slot's counts, as SpecStats names them
+_COUNTS = ("verify_steps", "draft_tokens", "accepted_tokens", "rollbacks", "num_drafts",
+           "causal_leaks")
 
 
 class SpeculativeDecoder:
@@ -151,11 +157,8 @@ class SpeculativeDecoder:
     def _step(self, slots: list[int], k: int | None) -> tuple[list[list[int]], list[bool]]:
         t0 = time.perf_counter()
         dev = self.device
-        rows = torch.tensor(slots, device=dev)
-        # slots 0..B-1 (the scheduler hands out the lowest free slot, so a steady batch is a
-        # prefix of the pool): plain cache slices, no per-layer gather copy
-        cache_rows = None if slots == list(range(len(slots))) else rows
-        lengths, k_rows, tokens = self.lengths[rows], self.k_rows[rows], self.tokens[rows]
+        rows, cache_rows = self._rows(slots)
+        lengths, tokens = self.lengths[rows], self.tokens[rows]
         # each row's own random numbers (its seed, its tokens so far): what a request samples
         # never depends on the rows beside it; greedy rounds draw none
         streams = None if self.params.is_greedy and not self.draft_sampling else (
@@ -172,11 +175,14 @@ class SpeculativeDecoder:
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
         width = draft_tokens.shape[1]
         verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
-        pos = lengths[:, None] + torch.arange(width + 1, device=dev)
-        num_drafted = k_rows.clamp(max=width)
+        pos = lengths[:, None] + self.offsets[: width + 1]
+        # the drafts each row may keep: its own K, known on the host (None: every row keeps
+        # all ``width``, so there is no mask to apply)
+        drafted = [min(self.host_k[s], width) for s in slots]
+        num_drafted = None if min(drafted) == width else self.k_rows[rows].clamp(max=width)
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
-        leaked_rows = torch.zeros_like(lengths, dtype=torch.bool)
+        leaked_rows = None
         if self._fused_round():
             # 2 + 3 in one engine call: only the counts and tokens leave it, not the logits
             # (its time counts as verify time)
@@ -194,25 +200,102 @@ class SpeculativeDecoder:
                 leaked = leak > self.audit_epsilon
                 leaked_rows = leaked.any(1)
                 num_drafted = torch.minimum(
-                    torch.where(leaked_rows, leaked.int().argmax(1), width), num_drafted)
+                    torch.where(leaked_rows, leaked.int().argmax(1), width),
+                    self.k_rows[rows].clamp(max=width))
             num_accepted, next_token = correct_for(dev)(
                 logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
         # 4. roll back: accepted drafts, then the rule's token at index num_accepted; the new
         # length is all the rollback there is
         emitted = torch.cat([draft_tokens, next_token[:, None]], 1)
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
-        self.tokens[rows[:, None], lengths[:, None] + 1 + torch.arange(width + 1, device=dev)] = (
-            emitted)
-        self.lengths[rows] = lengths + num_accepted + 1
+        self.tokens[rows[:, None], pos + 1] = emitted
+        advance = num_accepted + 1
+        self.lengths.index_add_(0, rows, advance)
+        # the counter of each row's random stream; a row that stopped this round is not
+        # stepped again, so only running rows need it exact
+        self.generated.index_add_(0, rows, advance)
+        # the round's one host transfer: the counts and tokens, and what only the device
+        # knows this round (audited drafts, adapted K); the host mirrors the rest
+        columns = [num_accepted[:, None]]
+        if leaked_rows is not None:
+            columns += [num_drafted[:, None], leaked_rows[:, None].long()]
         if self.adaptive_k:
+            k_rows = self.k_rows[rows]
             # a request that asked for no drafts keeps K = 0
-            self.k_rows[rows] = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
-        self._count(rows, width, num_drafted, num_accepted, leaked_rows)
-        out = self._emit(rows, emitted, num_accepted, num_drafted)
+            k_rows = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
+            self.k_rows[rows] = k_rows
+            columns.append(k_rows[:, None])
+        host = torch.cat([*columns, emitted], 1).tolist()
+        out = self._account(slots, host, drafted, audited=leaked_rows is not None)
         t3 = time.perf_counter()
-        self.times[:, slots] += torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0],
-                                             dtype=torch.float64)[:, None]
+        for s in slots:
+            times = self.slot_times[s]
+            times[0] += t1 - t0
+            times[1] += t2 - t1
+            times[2] += t3 - t2
+            times[3] += t3 - t0
         return out
+
+    def _account(self, slots: list[int], host: list[list[int]], drafted: list[int],
+                 audited: bool) -> tuple[list[list[int]], list[bool]]:
+        """The host side of a round, from its one transfer (per row: accepted count, [the
+        drafts it kept and whether the audit cut it], [its next K], the emitted block): the
+        host mirrors, the metrics and the stop handling. Returns, per slot, the tokens it
+        gained and whether it is still running."""
+        skip = 1 + (2 if audited else 0) + (1 if self.adaptive_k else 0)  # before the block
+        gained, running = [], []
+        total_drafted = total_accepted = reached = 0
+        for slot, row, d in zip(slots, host, drafted, strict=True):
+            n = row[0]
+            leak = 0
+            if audited:
+                d, leak = row[1], row[2]
+            if self.adaptive_k:
+                self.host_k[slot] = row[skip - 1]
+            self.host_lengths[slot] += n + 1
+            counts = self.slot_counts[slot]  # as SpecStats' fields, in _COUNTS order
+            counts[0] += 1
+            counts[1] += d
+            counts[2] += n
+            counts[3] += n < d
+            counts[4] += d > 0
+            counts[5] += leak
+            self.accepted_hist[slot][n] += 1
+            self.drafted_hist[slot][d] += 1
+            total_drafted += d
+            total_accepted += n
+            reached += n + (n < d)  # the accepted positions, and the rejected one if any
+            tokens, alive = self._stop(slot, row[skip: skip + n + 1])
+            gained.append(tokens)
+            running.append(alive)
+        self.monitor.update(total_drafted, total_accepted, reached)
+        return gained, running
+
+    def _stop(self, slot: int, tokens: list[int]) -> tuple[list[int], bool]:
+        """Stop handling for one row, on the host: keep ``tokens`` up to the first end id and
+        within max_new_tokens. Returns the kept tokens and whether the row runs on."""
+        eos = self.host_eos[slot]
+        ended = False
+        for i, t in enumerate(tokens):
+            if t in eos:
+                tokens, ended = tokens[: i + 1], True
+                break
+        kept = tokens[: self.host_limit[slot] - self.host_generated[slot]]
+        self.host_generated[slot] += len(kept)
+        return kept, not ended and self.host_generated[slot] < self.host_limit[slot]
+
+    def _rows(self, slots: list[int]) -> tuple[Tensor, Tensor | None]:
+        """The rows tensor of ``slots`` and the engine's ``rows`` argument: None for slots
+        0..B-1 (the scheduler hands out the lowest free slot, so a steady batch is a prefix
+        of the pool): plain cache slices, no per-layer gather copy. Made once per slot set:
+        a steady batch builds no tensor from a list."""
+        key = tuple(slots)
+        if key not in self._rows_cache:
+            if len(self._rows_cache) >= 64:  # the scheduler's slot sets come and go
+                self._rows_cache.clear()
+            rows = torch.tensor(slots, device=self.device)
+            self._rows_cache[key] = rows, None if key == tuple(range(len(key))) else rows
+        return self._rows_cache[key]
 
     def _fused_round(self) -> bool:
         """Whether this round verifies and corrects in one engine call. A round that cannot
@@ -265,24 +348,12 @@ class SpeculativeDecoder:
         return self.drafter.propose(tokens, lengths, k, cache, bound, rows, sampling, streams,
                                     k_max=self.k, missed=missed)
 
-    def _count(self, rows: Tensor, width: int, drafted: Tensor, num_accepted: Tensor,
-               leaked_rows: Tensor) -> None:
-        """The round's metrics, on the device."""
-        self.counters[:, rows] += torch.stack([
-            torch.ones_like(drafted), drafted, num_accepted, (num_accepted < drafted).long(),
-            (drafted > 0).long(), leaked_rows.long()])
-        if width:
-            p = torch.arange(width, device=drafted.device)
-            self.per_pos[0, rows, :width] += (p < num_accepted[:, None]).long()
-            self.per_pos[1, rows, :width] += (p < drafted[:, None]).long()
-
     def glue(self) -> int | None:
         """Torch threads for this decoder's own ops (None: torch's count). With engines on
-        the CPU, torch only indexes, takes an argmax or a softmax: one thread, since idle
-        OpenMP workers competed with ONNX Runtime's for the cores. A round that samples with
-        top-p < 1 keeps torch's threads: its sort over [B, K+1, V] is real work."""
-        sorts = not self.params.is_greedy and self.params.top_p < 1.0
-        return 1 if self.engine_on_cpu and not sorts else None
+        the CPU, torch only indexes, takes argmaxes and softmaxes and, for top-p, a few
+        histogram passes (``top_p_floor``: no sort): one thread, since idle OpenMP workers
+        competed with ONNX Runtime's for the cores."""
+        return 1 if self.engine_on_cpu else None
 
     # -- the round's K (k_policy.py) ---------------------------------------------------------
 
@@ -343,17 +414,24 @@ class SpeculativeDecoder:
                                   device=dev)
         self.lengths = torch.zeros(S, dtype=torch.long, device=dev)
         self.generated = torch.zeros(S, dtype=torch.long, device=dev)
-        self.limit = torch.zeros(S, dtype=torch.long, device=dev)
-        self.eos = torch.full((S, MAX_STOP_IDS), -1, dtype=torch.long, device=dev)
         self.seeds = torch.zeros(S, dtype=torch.long, device=dev)
         self.k_rows = torch.full((S,), width, dtype=torch.long, device=dev)
-        # verify steps, drafted, accepted, rollbacks, steps with drafts, causal leaks
-        self.counters = torch.zeros(6, S, dtype=torch.long, device=dev)
-        self.per_pos = torch.zeros(2, S, width, dtype=torch.long, device=dev)
-        self.times = torch.zeros(4, S, dtype=torch.float64)  # draft, verify, correct, total
-        # host mirrors of lengths and K, refreshed by each round's single transfer
+        self.offsets = torch.arange(self.margin, device=dev)  # a round's positions past length
+        self._rows_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
+        # host mirrors of lengths and K, kept by each round's single transfer
         self.host_lengths = [0] * S
         self.host_k = [width] * S
+        # the rest of the per-slot state lives on the host only: each request's stop rule,
+        # its tokens so far and its metrics (SpecStats' counts in _COUNTS order; per round,
+        # how many drafts it accepted and kept, which give the per-position counts; seconds of
+        # draft, verify, correct and the whole round)
+        self.host_generated = [0] * S
+        self.host_limit = [0] * S
+        self.host_eos: list[frozenset[int]] = [frozenset()] * S
+        self.slot_counts = [[0] * len(_COUNTS) for _ in range(S)]
+        self.accepted_hist = [[0] * (width + 1) for _ in range(S)]
+        self.drafted_hist = [[0] * (width + 1) for _ in range(S)]
+        self.slot_times = [[0.0] * 4 for _ in range(S)]
         self.draft_missed = [0] * S  # undrafted rounds since the draft cache was last fed
         self.fused_rounds = 0  # rounds verified and corrected in one engine call
         self.fused_fallback: dict[str, int] = {}  # rounds run unfused though fused is on
@@ -397,13 +475,13 @@ class SpeculativeDecoder:
                  num_draft_tokens: list[int] | None) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
-        eos = torch.full((len(slots), MAX_STOP_IDS), -1, dtype=torch.long)
-        for b, ids in enumerate(eos_token_ids):  # host-side, once per request
+        eos = []
+        for ids in eos_token_ids:  # host-side, once per request
             ids = token_ids("eos_token_id", ids)
             if len(ids) > MAX_STOP_IDS:
                 raise ValueError(f"eos_token_id must list at most {MAX_STOP_IDS} ids; got "
                                  f"{len(ids)}")
-            eos[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            eos.append(frozenset(ids))
         width = max(self.k, 1)
         if num_draft_tokens is None:
             num_draft_tokens = [width] * len(slots)
@@ -422,14 +500,16 @@ class SpeculativeDecoder:
         self.tokens[rows, :t_prompt] = padded
         self.lengths[rows] = prompt_lens
         self.generated[rows] = 0
-        self.limit[rows] = torch.tensor(max_new_tokens, device=dev)
-        self.eos[rows] = eos.to(dev)
         self.seeds[rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
         self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
-        self.counters[:, rows] = 0
-        self.per_pos[:, rows] = 0
-        self.times[:, slots] = 0.0
-        for s in slots:
+        for b, s in enumerate(slots):
+            self.host_lengths[s], self.host_k[s] = len(prompts[b]), num_draft_tokens[b]
+            self.host_generated[s], self.host_limit[s] = 0, max_new_tokens[b]
+            self.host_eos[s] = eos[b]
+            self.slot_counts[s] = [0] * len(_COUNTS)
+            self.accepted_hist[s] = [0] * (width + 1)
+            self.drafted_hist[s] = [0] * (width + 1)
+            self.slot_times[s] = [0.0] * 4
             self.draft_missed[s] = 0
         pos = torch.arange(t_prompt, device=dev).expand(B, -1)
         last = (prompt_lens - 1)[:, None]
@@ -444,44 +524,19 @@ class SpeculativeDecoder:
             RowStreams.for_rows(self.seeds[rows], self.generated[rows]), 0, vocab)
         _, first = correct_for(dev)(logits, empty, None, self.params, randoms)
         self.tokens[rows, prompt_lens] = first
-        out = self._emit(rows, first[:, None], torch.zeros_like(first))
-        self.times[3, slots] += time.perf_counter() - t0
-        return out
-
-    def _emit(self, rows: Tensor, emitted: Tensor, num_accepted: Tensor,
-              drafted: Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
-        """Stop handling, vectorised (keep tokens up to EOS and within max_new_tokens), then
-        the round's single host transfer."""
-        width = emitted.shape[1]
-        valid = torch.arange(width, device=emitted.device) <= num_accepted[:, None]
-        is_eos = valid & (emitted[:, :, None] == self.eos[rows, None, :]).any(-1)
-        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), width)
-        keep = torch.minimum(num_accepted + 1, first_eos + 1)
-        generated = self.generated[rows]
-        limit = self.limit[rows]
-        keep = torch.minimum(keep, limit - generated)
-        generated = generated + keep
-        self.generated[rows] = generated
-        active = (first_eos == width) & (generated < limit)
-        drafted = torch.zeros_like(keep) if drafted is None else drafted
-        host = torch.cat([keep[:, None], active[:, None], self.lengths[rows, None],
-                          self.k_rows[rows, None], drafted[:, None], num_accepted[:, None],
-                          emitted], 1).tolist()
-        for slot, row in zip(rows.tolist(), host, strict=True):
-            self.host_lengths[slot], self.host_k[slot] = row[2], row[3]
-        # reached positions: the accepted ones plus the rejected one, if any
-        self.monitor.update(sum(row[4] for row in host), sum(row[5] for row in host),
-                            sum(row[5] + (row[5] < row[4]) for row in host))
-        return [row[6: 6 + row[0]] for row in host], [bool(row[1]) for row in host]
+        self.generated[rows] = 1
+        out = [self._stop(s, [t]) for s, t in zip(slots, first.tolist(), strict=True)]
+        for s in slots:
+            self.slot_times[s][3] += time.perf_counter() - t0
+        return [tokens for tokens, _ in out], [alive for _, alive in out]
 
     def slot_stats(self, slot: int) -> SpecStats:
-        c = self.counters[:, slot].tolist()
-        pp = self.per_pos[:, slot].tolist()
-        t = self.times[:, slot].tolist()
+        counts = dict(zip(_COUNTS, self.slot_counts[slot], strict=True))
+        t = self.slot_times[slot]
         return SpecStats(
-            verify_steps=c[0], draft_tokens=c[1], accepted_tokens=c[2], rollbacks=c[3],
-            num_drafts=c[4], causal_leaks=c[5], generated_tokens=int(self.generated[slot]),
-            accepted_per_position=pp[0][: self.k], drafted_per_position=pp[1][: self.k],
+            **counts, generated_tokens=self.host_generated[slot],
+            accepted_per_position=more_than(self.accepted_hist[slot])[: self.k],
+            drafted_per_position=more_than(self.drafted_hist[slot])[: self.k],
             draft_time=t[0], verify_time=t[1], correct_time=t[2], total_time=t[3],
         )
 
@@ -545,6 +600,16 @@ class SpeculativeDecoder:
         return GenerationResult(out, row_stats, aggregate(row_stats))
 
 
+
+
+def more_than(hist: list[int]) -> list[int]:
+    """From hist[n] = rounds with value n: for each p, the rounds with a value above p (the
+    rounds that accepted, or drafted, position p)."""
+    out, total = [], sum(hist)
+    for count in hist[:-1]:
+        total -= count
+        out.append(total)
+    return out
 
 
 def fused_on(verifier: object, mode: str) -> bool:

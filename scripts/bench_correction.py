@@ -19,8 +19,9 @@ divides by the time of the verify step the correction follows:
   Llama of the earlier figures (dim 512, 8 layers, V 32000, timed whole) is reported too.
 
 Threads: the verify step runs on ``--threads`` (default 1), the correction on one thread
-except a sampling rule with top-p < 1, which gets all of them (SpeculativeDecoder.glue next
-to a CPU engine). Writes JSON (default results/bench_correction.json) and prints a table.
+(SpeculativeDecoder.glue next to a CPU engine, top-p rounds included: top-p takes a few
+histogram passes, not a sort). Writes JSON (default results/bench_correction.json) and prints
+a table.
 
     .venv/bin/python scripts/bench_correction.py [--only demo|large] [--repeats 21]
 """
@@ -192,9 +193,7 @@ def timed_pair(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def glue_threads(params: RuleParams, threads: int) -> int:
-    """The decoder's torch threads for the correction next to a CPU engine (its glue())."""
-    return threads if not params.is_greedy and params.top_p < 1.0 else 1
+GLUE_THREADS = 1  # the decoder's torch threads for the correction next to a CPU engine (glue)
 
 
 def bench_rules(logits: Tensor, k: int, step_s: dict[int, float], repeats: int, threads: int,
@@ -211,13 +210,13 @@ def bench_rules(logits: Tensor, k: int, step_s: dict[int, float], repeats: int, 
         want = correct_before(x, drafts, q, params, randoms)
         got = correct(x, drafts, q, params, randoms)
         same = [bool((a == b).all()) for a, b in zip(want, got, strict=True)]
-        torch.set_num_threads(glue_threads(params, threads))
+        torch.set_num_threads(GLUE_THREADS)
         inputs = (x, drafts, q, params, randoms)
         t = timed_pair({"before": partial(correct_before, *inputs),
                         "after": partial(correct, *inputs)}, repeats)
         torch.set_num_threads(threads)
         rows.append({"case": name, "batch": B, "k": kk, "vocab": V,
-                     "threads": glue_threads(params, threads),
+                     "threads": GLUE_THREADS,
                      "before_ms": t["before"] * 1e3, "after_ms": t["after"] * 1e3,
                      "before_share": t["before"] / step_s[kk],
                      "after_share": t["after"] / step_s[kk],

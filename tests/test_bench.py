@@ -107,16 +107,32 @@ def test_bench_rows_carry_the_bound_and_the_phase_breakdown(bench_rows, tmp_path
         assert r["bound"] == pytest.approx(leviathan_bound(r["alpha"], k, r["cost_ratio"]))
         # drafts that cost less than the tokens they win put the bound above plain decoding
         assert (r["bound"] >= 1.0) == (k * r["cost_ratio"] <= r["mean_acceptance_length"] - 1)
-        assert r["efficiency"] == pytest.approx(r["speedup_vs_baseline"] / r["bound"])
+        # the bound counts decoding rounds: efficiency takes the speed-up without the
+        # prefill, in both runs (the end-to-end one is kept beside it)
+        assert r["efficiency"] == pytest.approx(r["decode_speedup"] / r["bound"])
+        assert r["efficiency_end_to_end"] == pytest.approx(
+            r["speedup_vs_baseline"] / r["bound"])
         assert math.isfinite(r["efficiency"]) and r["efficiency"] > 0
+        # the verify pass at its measured cost: a round costs K·c + v plain steps, not K·c + 1
+        assert r["bound_at_verify_cost"] * (k * r["cost_ratio"] + r["verify_vs_plain_step"]) \
+            == pytest.approx(r["mean_acceptance_length"], rel=1e-6)
+        assert r["loop_efficiency"] == pytest.approx(
+            r["decode_speedup"] / r["bound_at_verify_cost"])
+        assert 0.0 < r["occupancy"] <= 1.0
     # the pair's drafts agree with the verifier often under greedy decoding
     assert max(r["alpha"] for r in spec if r["rule"] == "greedy") > 0.3
     for r in rows:
+        # decoding is everything after each row's first token (the prefill's); one repeat
+        prompts = 1 if r["batch_size"] == 1 else 2  # the one prompt, repeated to fill a batch
+        assert r["decode_tokens"] == r["tokens"] - prompts
+        assert r["decode_speedup"] > 0 and len(r["repeat_decode_tokens_per_second"]) == 1
         if r["variant"] == "baseline":
             assert r["alpha"] is None and r["bound"] is None and r["efficiency"] is None
+            assert r["occupancy"] == 1.0 and r["decode_speedup"] == 1.0
         elif not r["mean_k"]:  # no drafts, no bound to be measured against
             assert r["bound"] is None and r["efficiency"] is None
     print_rows(bench_rows)
     out = capsys.readouterr().out
     assert "bound" in out and "eff" in out and "where a round's time goes" in out
+    assert "decode" in out and "loop" in out
     assert all(p in out for p in PHASES)

@@ -266,12 +266,13 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch
         SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
                            max_batch_size=1).generate([[4, 8, 15]], 6)
         assert intra_op(verifier._graphs[None]) == 2
-        # sampling with top-p keeps torch's threads: its sort over the vocab is real work
-        for top_p, want_threads in ((1.0, 1), (0.9, 2)):
+        # sampling, with top-p too, on one thread: the top-p set takes a few histogram
+        # passes (top_p_floor), not a sort over the vocabulary
+        for top_p in (1.0, 0.9):
             seen.clear()
             SpeculativeDecoder(verifier, drafters["model"], RuleParams("exact", top_p=top_p),
                                k=3, max_batch_size=1).generate([[4, 8, 15]], 6)
-            assert seen and set(seen) == {want_threads}
+            assert seen and set(seen) == {1}
     finally:
         torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="draft_threads must be an integer >= 1"):

@@ -7,6 +7,8 @@ op and the TensorRT plugin share them).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -88,23 +90,49 @@ def step_inputs(tokens: Tensor, input_pos: Tensor, cache: KVCache, kv_len: int |
     if k0.dtype != torch.float32 or not k0.is_contiguous() or k0.device != dev:
         raise ValueError(f"cache must be contiguous float32 on {dev} (new_kv_cache) for the "
                          f"engine backends; got {k0.dtype} on {k0.device}")
+    # the defaults and kv_len are the same tensors every call (read-only), so an engine that
+    # keeps its bindings (ort.Graph) binds them once
     if rows is None:
-        rows = torch.arange(B, device=dev)
+        rows = arange_on(B, dev)
     if output_index is None:
-        output_index = torch.arange(T, device=dev).expand(B, T)
+        output_index = arange_grid(B, T, dev)
     inputs = {"tokens": tokens.long().contiguous(), "input_pos": input_pos.long().contiguous(),
               "rows": rows.long().contiguous(), "output_index": output_index.long().contiguous(),
-              "kv_len": torch.tensor(kv_len)}
+              "kv_len": host_scalar(kv_len)}
     for i in range(n):
         inputs[f"past_k_{i}"] = cache.k[i]
         inputs[f"past_v_{i}"] = cache.v[i]
     return inputs
 
 
-def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_pos: Tensor
-               ) -> None:
+@functools.lru_cache(maxsize=256)
+def arange_on(n: int, device: torch.device) -> Tensor:
+    """0..n-1 (int64), one shared tensor per (n, device): never write to it."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def arange_grid(rows: int, n: int, device: torch.device) -> Tensor:
+    """[rows, n] of 0..n-1 (int64, contiguous), one shared tensor per shape: never write to it."""
+    return torch.arange(n, device=device).expand(rows, n).contiguous()
+
+
+@functools.lru_cache(maxsize=4096)
+def host_scalar(value: int) -> Tensor:
+    """``value`` as a 0-d int64 CPU tensor, one shared tensor per value: never write to it."""
+    return torch.tensor(value)
+
+
+def write_back(cache: KVCache, new_kv: dict[str, Tensor], rows: Tensor, input_pos: Tensor,
+               packed: Tensor | None = None) -> None:
     """This step's K/V into the cache at (row, position), in place: Transformer.forward's
-    writes (on the GPU, queued on the current stream after the plan)."""
+    writes (on the GPU, queued on the current stream after the plan). ``packed``: the
+    memory of ``new_kv`` as [2 · layers, B, T, heads, head_dim] (k_0, v_0, k_1, …); with a
+    cache ``buffer`` every layer is then written by one indexed copy instead of two each."""
+    if packed is not None and cache.buffer is not None:
+        n = packed.shape[0] // 2
+        cache.buffer[:n, :, rows[:, None], input_pos] = packed.view(n, 2, *packed.shape[1:])
+        return
     index = (rows[:, None], input_pos)
     for i in range(len(new_kv) // 2):
         cache.k[i].index_put_(index, new_kv[f"new_k_{i}"])

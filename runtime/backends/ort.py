@@ -28,6 +28,7 @@ from .engine_io import (
     FLOAT_PARAMS,
     OP_TYPE,
     accepted_block,
+    arange_on,
     correction_inputs,
     params_from_attributes,
     rule_key,
@@ -41,6 +42,9 @@ _NP_TYPES = {torch.float32: np.float32, torch.int64: np.int64}
 # the verifier's weights, so a server whose requests bring ever new parameters must not make
 # one each (those rounds run unfused instead, ``fused_reason``)
 MAX_CORRECTION_SESSIONS = 4
+# K/V output buffers reused across calls (OrtModel._new_kv): decoding shapes only, at most
+# this many (B, T, layers) shapes at a time
+SCRATCH_MAX_T, MAX_SCRATCH = 80, 32
 _op_registered = False
 last_op_error: str | None = None  # the CausalCorrection kernel's last failure
 
@@ -130,16 +134,22 @@ class Graph:
                                         str(weights_dir))
         model = path if isinstance(path, bytes) else str(path)
         self.session = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-        # one binding, rebound per call: a Graph (and so an OrtModel) serves one thread
+        # one binding, kept between calls: a Graph (and so an OrtModel) serves one thread
         self.binding = self.session.io_binding()
+        # name -> (memory, shape, dtype) bound now, and the tensor, kept alive while bound
+        self._bound: dict[str, tuple[tuple, Tensor]] = {}
 
     def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """Bind every tensor's memory (no copies) and run; outputs are written in place."""
+        """Bind every tensor's memory (no copies) and run; outputs are written in place.
+        A name whose tensor has the memory, shape and dtype it was bound with last time (the
+        KV cache, reused scratch buffers) keeps its binding: a bind costs more than the check."""
         b = self.binding
-        for name, t in inputs.items():
-            b.bind_input(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
-        for name, t in outputs.items():
-            b.bind_output(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        for names, bind in ((inputs, b.bind_input), (outputs, b.bind_output)):
+            for name, t in names.items():
+                key = (t.data_ptr(), t.shape, t.dtype)
+                if self._bound.get(name, (None,))[0] != key:
+                    bind(name, "cpu", 0, _NP_TYPES[t.dtype], tuple(t.shape), key[0])
+                    self._bound[name] = (key, t)
         self.session.run_with_iobinding(b)
 
 
@@ -182,6 +192,7 @@ class OrtModel:
         self.max_correction_sessions = max_correction_sessions
         self._corrections: dict[RuleParams, Graph] = {}
         self._draft_steps: dict[tuple[int | None, int], Graph] = {}
+        self._scratch: dict[tuple[int, int, int], tuple[Tensor, dict[str, Tensor]]] = {}
 
     def single_step(self) -> OrtModel:
         """This engine without its fused draft graphs: k single-step calls per block, the
@@ -201,12 +212,23 @@ class OrtModel:
             self._graphs[num_layers] = Graph(self.graph_paths[num_layers], threads)
         return self._graphs[num_layers]
 
-    def _new_kv(self, B: int, T: int, n: int) -> dict[str, Tensor]:
-        # views into one buffer: one allocation per step
+    def _new_kv(self, B: int, T: int, n: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """The step's K/V outputs: one buffer [2n, B, T, heads, head_dim] (``write_back``'s
+        ``packed``) and its per-layer views by output name. Decoding shapes (T up to
+        ``SCRATCH_MAX_T``) reuse their buffer: it is copied into the cache before the call
+        returns, and the graph keeps it bound."""
+        key = (B, T, n)
+        if key in self._scratch:
+            return self._scratch[key]
         c = self.config
         buf = torch.empty(2 * n, B, T, c.n_kv_heads, c.head_dim)
-        return {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
-                for j, kv in enumerate(("k", "v"))}
+        out = buf, {f"new_{kv}_{i}": buf[2 * i + j] for i in range(n)
+                    for j, kv in enumerate(("k", "v"))}
+        if T <= SCRATCH_MAX_T:  # not prompts: each length would keep a buffer
+            if len(self._scratch) >= MAX_SCRATCH:
+                self._scratch.clear()
+            self._scratch[key] = out
+        return out
 
     def __call__(
         self,
@@ -229,9 +251,9 @@ class OrtModel:
         inputs = step_inputs(tokens, input_pos, cache, kv_len, rows, output_index, n)
         B = tokens.shape[0]
         logits = torch.empty(B, inputs["output_index"].shape[1], c.vocab_size)
-        new_kv = self._new_kv(B, tokens.shape[1], n)
+        packed, new_kv = self._new_kv(B, tokens.shape[1], n)
         graph.run(inputs, {"logits": logits, **new_kv})
-        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"], packed)
         return logits, None
 
     def greedy_drafts(self, tokens: Tensor, input_pos: Tensor, cache: KVCache, k: int,
@@ -253,11 +275,11 @@ class OrtModel:
         del inputs["output_index"]
         B, T = tokens.shape
         drafts = torch.empty(B, k, dtype=torch.int64)
-        new_kv = self._new_kv(B, T + k - 1, n)
+        packed, new_kv = self._new_kv(B, T + k - 1, n)
         self._draft_steps[key].run(inputs, {"draft_tokens": drafts, **new_kv})
-        fed_pos = torch.cat([inputs["input_pos"],
-                             inputs["input_pos"][:, -1:] + torch.arange(1, k)], 1)
-        write_back(cache, new_kv, inputs["rows"], fed_pos)
+        fed_pos = torch.cat([inputs["input_pos"], inputs["input_pos"][:, -1:] + 1
+                             + arange_on(k - 1, tokens.device)], 1)
+        write_back(cache, new_kv, inputs["rows"], fed_pos, packed)
         return drafts
 
     # -- the verifier + CausalCorrection graph ---------------------------------------------
@@ -324,10 +346,10 @@ class OrtModel:
         num_accepted = torch.empty(B, dtype=torch.int64)
         next_token = torch.empty(B, dtype=torch.int64)
         accepted = torch.empty(B, T, dtype=torch.int64)
-        new_kv = self._new_kv(B, T, c.n_layers)
+        packed, new_kv = self._new_kv(B, T, c.n_layers)
         graph.run(inputs, {"num_accepted": num_accepted, "next_token": next_token,
                            "accepted_tokens": accepted, **new_kv})
         if last_op_error is not None and bool((num_accepted < 0).any()):
             raise ValueError(f"{OP_TYPE} failed: {last_op_error}")
-        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"])
+        write_back(cache, new_kv, inputs["rows"], inputs["input_pos"], packed)
         return num_accepted, next_token, accepted

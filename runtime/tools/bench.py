@@ -61,7 +61,17 @@ class BenchRow:
     cost_ratio: float | None = None
     verify_vs_plain_step: float | None = None  # this row's verify pass over a plain step
     bound: float | None = None  # Leviathan's speed-up bound at (alpha, mean_k, cost_ratio)
-    efficiency: float | None = None  # speedup_vs_baseline / bound
+    # the bound counts decoding rounds only (c is per plain step, prefill excluded), so the
+    # speed-up set against it excludes the prefill in both runs: the tokens after each row's
+    # first over the seconds after the prefill, median of the per-repeat ratios
+    decode_speedup: float | None = None
+    efficiency: float | None = None  # decode_speedup / bound
+    efficiency_end_to_end: float | None = None  # speedup_vs_baseline / bound (prefill in)
+    # the bound with the verify pass at its measured cost (verify_vs_plain_step plain steps,
+    # not one): what is left below it is the loop's own cost (correction, bookkeeping)
+    bound_at_verify_cost: float | None = None
+    loop_efficiency: float | None = None  # decode_speedup / bound_at_verify_cost
+    occupancy: float | None = None  # rows per round / batch size (rows finish apart)
     # where the time goes, summed over batches and repeats: draft, verify, correct, prefill,
     # other (the rest of the wall clock: Python between the phases); rounds = decoder steps
     rounds: int = 0
@@ -76,6 +86,9 @@ class BenchRow:
     backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
     repeat_tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
+    repeat_decode_tokens_per_second: list[float] = field(default_factory=list)
+    decode_tokens: int = 0  # this repeat's (as tokens, seconds)
+    decode_seconds: float = 0.0
     fused_correction: str = "off"  # the decoder's fused_correction: on | off | auto
     fused_rounds: int = 0  # rounds verified and corrected in one engine call
     fused_fallback: dict = field(default_factory=dict)  # rounds run unfused, by reason
@@ -93,10 +106,12 @@ class BenchRow:
         return d
 
 
-def median_ratio(row: BenchRow, reference: BenchRow) -> float:
-    """The median over repeats of row / reference tokens/s, each ratio within one repeat."""
+def median_ratio(row: BenchRow, reference: BenchRow,
+                 per_repeat: str = "repeat_tokens_per_second") -> float:
+    """The median over repeats of row / reference tokens/s (``per_repeat``: the field with
+    one figure per repeat), each ratio within one repeat."""
     return statistics.median(a / b for a, b in zip(
-        row.repeat_tokens_per_second, reference.repeat_tokens_per_second, strict=True))
+        getattr(row, per_repeat), getattr(reference, per_repeat), strict=True))
 
 
 PHASES = ("draft", "verify", "correct", "prefill", "other")
@@ -171,6 +186,8 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
         row.rounds += rounds
         row.tokens += sum(s.generated_tokens for s in row_stats)
         row.seconds += wall
+        row.decode_tokens += sum(s.generated_tokens for s in row_stats) - len(batch)
+        row.decode_seconds += wall - prefill
     total = aggregate(row.spec_stats)
     if drafter is not None:
         row.acceptance_rate = total.acceptance_rate
@@ -184,6 +201,7 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
         if row.schedule == "fixed":  # the analytic length assumes one K for every round
             row.analytic_acceptance_length = analytic_length(row.alpha_per_position, k)
         row.per_position_acceptance = total.per_position_acceptance
+    row.occupancy = total.verify_steps / max(row.rounds * batch_size, 1)
     return row
 
 
@@ -205,14 +223,25 @@ def distance_to_bound(row: BenchRow, base: BenchRow) -> None:
     """``row``'s cost ratio, Leviathan bound and efficiency against its plain ``base`` (same
     batch size and sampling). The bound is relative to plain decoding, so the unit of cost is
     the baseline's step, Python around it included: c = (draft seconds per round / K) / (plain
-    seconds per step). K is the mean K the rounds drafted (the fixed K, or the policy's mean)."""
+    seconds per step). The draft phase opens with the round's setup, which a plain step has
+    too (its own draft phase): that part is in the unit already, so c counts the rest. K is
+    the mean K the rounds drafted (the fixed K, or the policy's mean). The bound counts
+    decoding rounds, so efficiency sets the decode-phase speed-up against it
+    (``decode_speedup``: the prefill out of both runs, as it is out of c)."""
     if row.alpha is None or not row.mean_k or not row.rounds or not base.rounds:
         return
     plain = step_seconds(base)
-    row.cost_ratio = row.phase_seconds["draft"] / row.rounds / row.mean_k / plain
+    drafting = max(row.phase_seconds["draft"] / row.rounds
+                   - base.phase_seconds["draft"] / base.rounds, 0.0)
+    row.cost_ratio = drafting / row.mean_k / plain
     row.verify_vs_plain_step = row.phase_seconds["verify"] / row.rounds / plain
     row.bound = leviathan_bound(row.alpha, row.mean_k, row.cost_ratio)
-    row.efficiency = row.speedup_vs_baseline / row.bound
+    row.efficiency = row.decode_speedup / row.bound
+    row.efficiency_end_to_end = row.speedup_vs_baseline / row.bound
+    # the same bound with a round costing K·c + v plain steps instead of K·c + 1
+    row.bound_at_verify_cost = row.bound * (row.mean_k * row.cost_ratio + 1.0) / (
+        row.mean_k * row.cost_ratio + row.verify_vs_plain_step)
+    row.loop_efficiency = row.decode_speedup / row.bound_at_verify_cost
 
 
 @torch.no_grad()
@@ -290,7 +319,8 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
         for row in rows:
-            row.tokens, row.seconds = 0, 0.0  # per repeat (the phase times add up)
+            # per repeat (the phase times add up)
+            row.tokens, row.seconds, row.decode_tokens, row.decode_seconds = 0, 0.0, 0, 0.0
             n = max(len(prompts) // row.batch_size, 1) * row.batch_size
             batch_prompts = (prompts * row.batch_size)[:n]
             if row.system == "hf":
@@ -303,6 +333,9 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                          max_new_tokens, row.batch_size, seed, row)
             row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
                                                 else 0.0)
+            if row.system == "ours":
+                row.repeat_decode_tokens_per_second.append(
+                    row.decode_tokens / row.decode_seconds if row.decode_seconds else 0.0)
             progress.update()
     progress.close()
     # ratios within this run (against the baseline of the same fused mode; the peers against
@@ -314,6 +347,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                     and r.fused_correction == mode)
         row.speedup_vs_baseline = median_ratio(row, base)
         if row.system == "ours":
+            row.decode_speedup = median_ratio(row, base, "repeat_decode_tokens_per_second")
             phase_breakdown(row)
             distance_to_bound(row, base)
     compare_hf(rows)
@@ -422,6 +456,7 @@ def best_configs(rows: list[BenchRow]) -> dict:
             "mean_acceptance_length": best.mean_acceptance_length,
             "alpha": best.alpha,
             "bound": best.bound,
+            "decode_speedup": best.decode_speedup,
             "efficiency": best.efficiency,
         }
         if best_vs_hf is not None:
@@ -449,28 +484,33 @@ def print_rows(rows: list[BenchRow]) -> None:
     the decoder's fused_correction mode."""
     head = (f"{'sys':4s} {'backend':7s} {'variant':9s} {'rule':9s} {'K':>6s} {'B':>3s} "
             f"{'fused':>5s}")
-    print(f"{head} {'tok/s':>8s} {'vs base':>7s} {'vs HF-asst':>10s} {'accept':>6s} "
-          f"{'len':>5s} {'analytic':>8s} {'mean K':>6s} {'alpha':>5s} {'c':>5s} "
-          f"{'bound':>6s} {'eff':>5s}")
+    print(f"{head} {'tok/s':>8s} {'vs base':>7s} {'decode':>6s} {'vs HF-asst':>10s} "
+          f"{'accept':>6s} {'len':>5s} {'analytic':>8s} {'mean K':>6s} {'alpha':>5s} "
+          f"{'c':>5s} {'bound':>6s} {'eff':>5s} {'loop':>5s}")
     for r in rows:
         print(f"{row_label(r)} {r.tokens_per_second:8.1f} "
-              f"{fmt(r.speedup_vs_baseline, '6.2f'):>6s}x "
+              f"{fmt(r.speedup_vs_baseline, '6.2f'):>6s}x {fmt(r.decode_speedup, '5.2f'):>5s}x "
               f"{fmt(r.speedup_vs_hf_assisted, '9.2f'):>9s}x {fmt(r.acceptance_rate, '6.2f'):>6s} "
               f"{fmt(r.mean_acceptance_length, '5.2f'):>5s} "
               f"{fmt(r.analytic_acceptance_length, '8.2f'):>8s} {fmt(r.mean_k, '6.2f'):>6s} "
               f"{fmt(r.alpha, '5.2f'):>5s} {fmt(r.cost_ratio, '5.2f'):>5s} "
-              f"{fmt(r.bound, '5.2f'):>5s}x {fmt(r.efficiency, '5.2f'):>5s}")
+              f"{fmt(r.bound, '5.2f'):>5s}x {fmt(r.efficiency, '5.2f'):>5s} "
+              f"{fmt(r.loop_efficiency, '5.2f'):>5s}")
+    print("vs base: end to end; decode: the speed-up without the prefill (in neither run), "
+          "which eff = decode / bound uses; loop: decode over the bound with the verify pass "
+          "at its measured cost (verify/plain below)")
     print("\nwhere a round's time goes: ms per round (share of the wall clock); other = wall "
-          "clock - the four; verify/plain: the verify pass over a plain step")
+          "clock - the four; verify/plain: the verify pass over a plain step; rows: rows per "
+          "round over the batch size")
     print(f"{head} {'ms/round':>8s} " + " ".join(f"{p:>12s}" for p in PHASES)
-          + f" {'verify/plain':>12s}")
+          + f" {'verify/plain':>12s} {'rows':>5s}")
     for r in rows:
         if r.system != "ours" or not r.rounds:
             continue
         cells = " ".join(f"{r.phase_ms_per_round[p]:6.2f} ({r.phase_share[p]:3.0%})"
                          for p in PHASES)
         print(f"{row_label(r)} {sum(r.phase_ms_per_round.values()):8.2f} {cells} "
-              f"{fmt(r.verify_vs_plain_step, '12.2f'):>12s}")
+              f"{fmt(r.verify_vs_plain_step, '12.2f'):>12s} {fmt(r.occupancy, '5.2f'):>5s}")
 
 
 def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
