@@ -313,7 +313,7 @@ def test_pending_serve_flags_have_landed():
 
 def exported_gauges() -> set[str]:
     """Gauge families the Triton model creates: family("name", gauge, ...) in its source."""
-    source = (ROOT / "triton_repo" / "paradraft" / "1" / "model.py").read_text()
+    source = (ROOT / "triton_repo" / "ensemble" / "1" / "model.py").read_text()
     return set(re.findall(r'family\(\s*"(\w+)",\s*gauge\b', source))
 
 

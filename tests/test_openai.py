@@ -265,7 +265,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving(
     assert "queue full" in json.loads(e.value.read())["error"]["message"]
     with pytest.raises(openai.InternalServerError):  # streamed requests too, before any event
         client.completions.create(model="paradraft", prompt="x", stream=True)
-    # the ensemble over gRPC: UNAVAILABLE (retry later); Triton 2.51's HTTP generate endpoint
+    # the model over gRPC: UNAVAILABLE (retry later); Triton 2.51's HTTP generate endpoint
     # answers every error with 400, the message says what it was
     with pytest.raises(serving_client.ServerError, match="queue full") as e:
         serving_client.complete(triton.grpc_url, "x", 4)
@@ -284,8 +284,8 @@ def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving(
 
 
 def test_a_client_that_hangs_up_mid_stream_frees_its_slot(api, client):
-    """The API calls the paradraft model directly, so closing the HTTP stream cancels the
-    gRPC stream, which the model sees: the slot frees long before 280 tokens are done."""
+    """Closing the HTTP stream cancels the API's gRPC stream to the served model, which
+    sees it: the slot frees long before 280 tokens are done."""
     server, triton, _, _ = api
     before = metrics(triton).get("paradraft_requests_total", 0)
     body = {"model": "paradraft", "prompt": "def long():", "max_tokens": 280,

@@ -146,23 +146,40 @@ def test_the_model_repository_follows_the_instances_and_keeps_no_placeholder(tmp
     from paradraft.runtime.serving.server import unquoted_placeholders, write_model_repo
 
     config = ServeConfig("v", "d", devices=("cuda:0", "cuda:1"))
+    # a workdir reused from the older layout: its extra models must not load beside ours
+    for old in ("preprocessing", "paradraft"):
+        (tmp_path / "model_repository" / old / "1").mkdir(parents=True)
     repo = write_model_repo(config, "tokenizer.json", tmp_path)
-    text = (repo / "paradraft" / "config.pbtxt").read_text()
+    # one model, which clients call by TensorRT-LLM's ensemble name: no second slot pool
+    assert sorted(p.name for p in repo.iterdir()) == ["ensemble"]
+    text = (repo / "ensemble" / "config.pbtxt").read_text()
+    assert 'backend: "python"' in text and "decoupled: true" in text
     assert ("instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] }, "
             "{ count: 1, kind: KIND_GPU, gpus: [ 1 ] } ]") in text
     assert f'string_value: "{tmp_path / "control"}"' in text
-    for name in ("paradraft", "preprocessing", "ensemble"):
-        text = (repo / name / "config.pbtxt").read_text()
-        assert "${" not in text and not unquoted_placeholders(text), name
+    assert "${" not in text and not unquoted_placeholders(text)
     # the JSON the model reads back gives the same config
-    written = json.loads((repo / "paradraft" / "paradraft.json").read_text())
+    written = json.loads((repo / "ensemble" / "paradraft.json").read_text())
     assert ServeConfig(**written) == config
+
+
+def test_the_served_model_declares_every_input_the_protocol_reads():
+    """The config's inputs are the ones parse_request reads, plus stop (the model's own):
+    an input the config lacks would be refused by Triton, one the protocol lacks ignored."""
+    import re
+
+    from paradraft.runtime.serving.protocol import REQUEST_INPUTS
+
+    text = (Path(__file__).parent.parent / "triton_repo" / "ensemble" / "config.pbtxt")
+    block = text.read_text().split("output [")[0]
+    declared = set(re.findall(r'name: "(\w+)"', block)) - {"ensemble"}
+    assert declared == {*REQUEST_INPUTS, "stop"}
 
 
 def test_the_triton_model_imports_only_the_protocol_and_the_scheduler():
     """The decoupled Python model stays a thin adapter: none of the process launcher or the
     gRPC client comes into the Triton stub with it."""
-    source = (Path(__file__).parent.parent / "triton_repo" / "paradraft" / "1" / "model.py")
+    source = (Path(__file__).parent.parent / "triton_repo" / "ensemble" / "1" / "model.py")
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("paradraft"):
@@ -315,3 +332,149 @@ def test_detokenizer_work_follows_the_new_tokens_not_the_output_so_far():
 
     n = len(ids) // 8
     assert seconds(8 * n) / seconds(n) < 24
+
+
+def texts(*values: str | bytes):
+    """A BYTES tensor as Triton hands it over: [1, n] of bytes."""
+    import numpy as np
+
+    return np.array([[v.encode() if isinstance(v, str) else v for v in values]], dtype=object)
+
+
+def test_text_input_is_tokenised_with_every_check_and_equals_sending_its_ids():
+    """The served model takes the prompt as text_input (tokenised in process, as the old
+    preprocessing model did) or as input_ids: the same request either way."""
+    import numpy as np
+
+    from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+    from paradraft.runtime.serving.protocol import parse_request
+
+    tok = load_tokenizer(DEMO_DIR / "verifier")
+    config = ServeConfig("verifier", "draft", max_seq_len=64, max_input_tokens=16)
+    max_tokens = {"max_tokens": np.array([[8]], np.int32)}
+    ids = tok.encode("def f(x):").ids
+    by_text = parse_request({"text_input": texts("def f(x):"), **max_tokens,
+                             "random_seed": np.array([[1]], np.uint64)}, config, tok)
+    by_ids = parse_request({"input_ids": np.array([ids], np.int32),
+                            "input_lengths": np.array([[len(ids)]], np.int32), **max_tokens,
+                            "random_seed": np.array([[1]], np.uint64)}, config, tok)
+    assert by_text == by_ids and by_text.prompt == ids
+    for inputs, message in [
+        ({}, "send exactly one of text_input .* and input_ids .*; got neither"),
+        ({"text_input": texts("x"), "input_ids": np.array([[1]], np.int32)},
+         "send exactly one of text_input .* and input_ids .*; got text_input and input_ids"),
+        ({"text_input": texts("a", "b")}, "text_input must hold exactly one prompt; got 2"),
+        ({"text_input": texts(b"def \xff(x):")}, "text_input is not valid UTF-8"),
+        ({"text_input": texts("")}, "text_input is empty"),
+        ({"text_input": texts("x" * (64 * 16 + 1))},  # refused before tokenising
+         "text_input is 1025 bytes; the limit is 16 tokens"),
+        ({"text_input": texts("x = 1\n" * 20)}, r"text_input is \d+ tokens; allowed 1..16"),
+        ({"input_ids": np.zeros((1, 0), np.int32)}, r"input_ids is 0 tokens; allowed 1..16"),
+        ({"input_ids": np.array([[1.0]], np.float32)}, "input_ids must be an integer tensor"),
+        ({"input_ids": np.array([[1, 9000]], np.int32)},
+         r"input_ids must be token ids in \[0, 8191\]; got 9000"),
+        ({"input_ids": np.array([[1, 2]], np.int32), "input_lengths": np.array([[3]], np.int32)},
+         r"input_lengths must be 2 \(the number of input_ids\); got 3"),
+        ({"text_input": texts("def f():"), "bad_words": texts("import")},
+         "bad_words: not supported by paradraft"),
+        ({"text_input": texts("def f():"), "stop_words": texts(*[f"w{i}" for i in range(17)])},
+         "stop_words must hold at most 16 words; got 17"),
+        ({"text_input": texts("def f():"), "stop_words": texts("x = 1\n" * 10)},
+         r"stop_words: each word must be 1..32 tokens; 'x = 1\\nx = 1.*' is \d+"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_request({**max_tokens, **inputs}, config, tok)
+    with pytest.raises(ValueError, match="max_tokens is required"):
+        parse_request({"input_ids": np.array([[1]], np.int32)}, config, tok)
+    with pytest.raises(ValueError, match="text_input: this server has no tokenizer"):
+        parse_request({"text_input": texts("x"), **max_tokens}, config)
+
+
+def test_stop_words_are_tokenised_alone_and_join_the_ids_sent():
+    """TensorRT-LLM's stop_words: each word tokenised without special tokens; empty strings
+    (its clients' default) and empty bad_words mean none; stop_words_ids add to them, within
+    the 16-word limit."""
+    import numpy as np
+
+    from paradraft.runtime.checkpoints import DEMO_DIR, load_tokenizer
+    from paradraft.runtime.serving.protocol import parse_request
+
+    tok = load_tokenizer(DEMO_DIR / "verifier")
+    config = ServeConfig("verifier", "draft", max_seq_len=64, max_input_tokens=32)
+    base = {"text_input": texts("def f():"), "max_tokens": np.array([[8]], np.int32),
+            "bad_words": texts("")}
+    got = parse_request({**base, "stop_words": texts("return", "", "\n\n")}, config, tok)
+    assert got.stop_sequences == [tok.encode("return", add_special_tokens=False).ids,
+                                  tok.encode("\n\n", add_special_tokens=False).ids]
+    got = parse_request({**base, "stop_words": texts("return"),
+                         "stop_words_ids": np.array([[7, 8, 9]], np.int32),
+                         "stop_words_lengths": np.array([[1, 2]], np.int32)}, config, tok)
+    assert got.stop_sequences == [[7], [8, 9], tok.encode("return").ids]
+    with pytest.raises(ValueError, match=r"at most 16 words \(stop_words and stop_words_ids "
+                                         r"together\); got 17"):
+        parse_request({**base, "stop_words": texts(*[f"w{i}" for i in range(9)]),
+                       "stop_words_ids": np.array([list(range(8))], np.int32),
+                       "stop_words_lengths": np.array([[1] * 8], np.int32)}, config, tok)
+
+
+CALIBRATION = dict(tau=0.11, dynamic_tau=0.07, gamma=0.42, alpha=0.2, quantile=0.2,
+                   positions=256)
+
+
+def test_requests_of_a_calibrated_rule_get_its_calibrated_parameters(tmp_path):
+    """Engines built with a calibration: a threshold / ratio / dynamic request that leaves
+    tau / gamma unset gets the calibrated value for its rule (as `generate --engines` does);
+    a request's own value wins; other rules and parameters keep the fixed defaults."""
+    import numpy as np
+
+    from paradraft.cli.serve import serve_config
+    from paradraft.runtime.serving.protocol import default_params, parse_request
+
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format_version": 1, "limits": {"max_batch_size": 4, "max_k": 4, "max_seq_len": 256},
+        "rule_defaults": dict(rule="greedy", temperature=1.0, top_p=1.0, tau=0.3, gamma=1.0,
+                              alpha=0.1, top_p_membership=False, epsilon=0.09, delta=0.3),
+        "calibration": CALIBRATION,
+        "models": {"verifier": {"config": {"eos_token_ids": [0]}}}}))
+    config = serve_config(serve_args(engines=str(tmp_path)))
+    assert config.calibrated == {"threshold": {"tau": 0.11}, "ratio": {"gamma": 0.42},
+                                 "dynamic": {"tau": 0.07, "alpha": 0.2}}
+    ids = {"input_ids": np.array([[5, 6]], np.int32), "max_tokens": np.array([[4]], np.int32)}
+
+    def params(**inputs):
+        tensors = {name: np.array([[value.encode()]], object) if isinstance(value, str)
+                   else np.array([[value]], np.float32) for name, value in inputs.items()}
+        return parse_request({**ids, **tensors}, config).params
+
+    p = params(correction_rule="threshold")
+    assert (p.tau, p.gamma, p.alpha) == (0.11, 1.0, 0.1)
+    assert params(correction_rule="ratio").gamma == pytest.approx(0.42)
+    p = params(correction_rule="dynamic")
+    assert (p.tau, p.alpha) == (pytest.approx(0.07), pytest.approx(0.2))
+    # the request's own values win, one parameter at a time
+    assert params(correction_rule="threshold", tau=0.5).tau == 0.5
+    p = params(correction_rule="dynamic", alpha=0.0)
+    assert (p.tau, p.alpha) == (pytest.approx(0.07), 0.0)
+    assert params(correction_rule="ratio", gamma=2.0).gamma == 2.0
+    # rules without a calibration keep the fixed defaults
+    p = params(correction_rule="typical")
+    assert (p.tau, p.epsilon) == (0.3, pytest.approx(0.09))
+    # the server's default rule (--rule) is calibrated too, for requests and the decoder
+    config = serve_config(serve_args(engines=str(tmp_path), rule="threshold"))
+    assert parse_request(ids, config).params.tau == 0.11
+    assert default_params(config).tau == 0.11
+    # engines without a calibration: the fixed defaults
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "calibration": None}))
+    config = serve_config(serve_args(engines=str(tmp_path), rule="threshold"))
+    assert config.calibrated == {} and parse_request(ids, config).params.tau == 0.3
+
+
+def test_a_calibration_out_of_range_is_refused_naming_the_rule():
+    with pytest.raises(ValueError, match=r"calibrated\['threshold'\]: tau must be in \[0, 1\]"):
+        ServeConfig("v", "d", calibrated={"threshold": {"tau": 1.5}})
+    with pytest.raises(ValueError, match="calibrated: rule must be one of"):
+        ServeConfig("v", "d", calibrated={"best": {"tau": 0.2}})
+    with pytest.raises(ValueError, match=r"calibrated\['ratio'\]: parameters must be among "
+                                         r"tau, gamma, alpha; got 'delta'"):
+        ServeConfig("v", "d", calibrated={"ratio": {"delta": 0.2}})

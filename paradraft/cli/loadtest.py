@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a running server (default: start one): HOST:PORT of its gRPC port "
                    "(grpc), of Triton's HTTP port (http), or of the OpenAI API (openai)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
-                   help="grpc: the ensemble over gRPC streaming; http: Triton's "
+                   help="grpc: the ensemble model over gRPC streaming; http: Triton's "
                    "generate_stream; openai: /v1/completions, streamed")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the in-process reference run (after each served level, the "

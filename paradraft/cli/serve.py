@@ -21,6 +21,7 @@ from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
 from paradraft.runtime.serving.server import Server, start_server
+from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
     add_acceptance_floor_arg,
@@ -96,7 +97,7 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    "tokens/s from the running acceptance and round times measured at start")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streamed responses after the first carry at least N new tokens "
-                   "(fewer responses through the ensemble: more throughput, coarser "
+                   "(fewer responses, each an IPC hop: more throughput, coarser "
                    "streaming)")
 
 
@@ -122,8 +123,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         check_engine_placement(manifest, args)
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
         backend = manifest.get("backend")
+        calibrated = calibrated_params(manifest.get("calibration"))
     else:
-        defaults = {}
+        defaults, calibrated = {}, {}
         max_slots = 16 if args.max_slots is None else args.max_slots
         max_seq_len = 512 if args.max_seq_len is None else args.max_seq_len
         k = 4 if args.k is None else args.k
@@ -138,13 +140,24 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        engines=args.engines, k=k, max_slots=max_slots,
                        max_queue=args.max_queue, max_seq_len=max_seq_len,
                        max_input_tokens=max_seq_len - 1, rule=rule, temperature=temperature,
-                       top_p=top_p, rule_defaults=defaults, eos_token_id=eos,
+                       top_p=top_p, rule_defaults=defaults, calibrated=calibrated,
+                       eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
                        draft_len_schedule=args.draft_len_schedule,
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
                        devices=devices_arg(args.device, backend), instances=args.instances)
+
+
+def calibrated_params(calibration: dict | None) -> dict[str, dict[str, float]]:
+    """Per rule with calibrated defaults (threshold, ratio, dynamic), the manifest's
+    calibrated parameters as ``generate`` takes them (``Calibration.params_for``); none for
+    engines built without a calibration."""
+    if not calibration:
+        return {}
+    values = Calibration(**calibration)
+    return {rule: values.params_for(rule) for rule in CALIBRATED}
 
 
 def devices_arg(text: str | None, backend: str | None = None) -> tuple[str, ...]:

@@ -3,7 +3,6 @@ with the speculation stats the server sends along; and stopping a request by id.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import struct
 import time
@@ -12,6 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the model clients call: one decoupled Python model with TensorRT-LLM's ensemble name and
+# tensors (triton_repo/ensemble), so a client's cancellation reaches the running request
+MODEL = "ensemble"
 # Triton >= 2.49 closes a stream that opened with this header with the error's gRPC status
 # code (INVALID_ARGUMENT, UNAVAILABLE, ...) instead of an in-stream error message
 STATUS_CODES = {"triton_grpc_error": "true"}
@@ -102,18 +104,18 @@ def is_final(response) -> bool:
 
 def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
     """End the running or queued request ``request_id`` (TensorRT-LLM's ``stop`` input: the
-    same id, through the ensemble); raises RuntimeError with the server's message if none."""
+    same id, on a stream of its own); raises RuntimeError with the server's message if none."""
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    inputs = request_inputs(" ", 1, False)  # the ensemble's required inputs; unused
+    inputs = request_inputs(" ", 1, False)  # the model's required inputs; unused
     stop = grpcclient.InferInput("stop", [1, 1], "BOOL")
     stop.set_data_from_numpy(np.array([[True]]))
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)),
                             headers=STATUS_CODES)
-        client.async_stream_infer("ensemble", [*inputs, stop], request_id=request_id,
+        client.async_stream_infer(MODEL, [*inputs, stop], request_id=request_id,
                                   enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
@@ -128,7 +130,7 @@ def stop_request(url: str, request_id: str, timeout: float = 60) -> None:
 
 
 def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
-    """tritonclient.grpc InferInput list for the ensemble (shapes with the batch dim 1)."""
+    """tritonclient.grpc InferInput list for the model (shapes with the batch dim 1)."""
     import tritonclient.grpc as grpcclient
 
     def tensor(name, value, dtype, np_dtype):
@@ -174,8 +176,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
     ``LostRequest`` when no final response came (within ``timeout`` seconds of the last one).
 
     A completion abandoned half-way (a timeout, ``on_text`` raising, Ctrl-C) cancels its
-    stream and sends the request a ``stop``: cancelling an ensemble stream alone does not
-    reach the model on Triton 2.51, and the request would hold its slot to the end."""
+    stream, which frees the request's slot within about 0.1 s."""
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -191,8 +192,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)),
                             headers=STATUS_CODES if status_codes else None)
-        client.async_stream_infer("ensemble", request_inputs(prompt, max_tokens, stream,
-                                                             **optional),
+        client.async_stream_infer(MODEL, request_inputs(prompt, max_tokens, stream, **optional),
                                   request_id=request_id, enable_empty_final_response=True)
         while True:
             try:
@@ -221,12 +221,9 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                 ended = True
                 break
     finally:
-        client.stop_stream(cancel_requests=not ended)
+        client.stop_stream(cancel_requests=not ended)  # the server drops a cancelled request
         if own_client:
             client.close()
-        if not ended:  # (it may have ended meanwhile, or the server be gone: nothing to free)
-            with contextlib.suppress(Exception):
-                stop_request(url, request_id, timeout=10)
     return Completion("".join(chunks), chunks, *stats,
                       first_token_s=times[0] if times else 0.0, chunk_times=times,
                       chunk_tokens=counts, finish_reason=reason)

@@ -2,10 +2,9 @@
 
 ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``, streamed (server-sent
 events ending with ``data: [DONE]``) or not. The API tokenises the prompt itself (chat: the
-verifier's chat template, ``checkpoints.format_chat``) and calls the decoupled ``paradraft``
-model straight over one gRPC stream per request, with token ids in and text out: no
-preprocessing hop, and a client that goes away cancels its gRPC stream, which frees the slot
-(a cancelled ensemble stream does not reach the model on Triton 2.51).
+verifier's chat template, ``checkpoints.format_chat``) and calls the served model
+(``ensemble``) over one gRPC stream per request, with token ids in (``input_ids``) and text
+out; a client that goes away cancels its gRPC stream, which frees the slot.
 
 Every request field is either honoured, accepted because it changes nothing (``user``,
 ``metadata``, ``store``, ``service_tier``, ``stream_options``), or refused with a 400 naming
@@ -29,9 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
-from .client import is_final, raw_outputs, raw_request
+from .client import MODEL, is_final, raw_outputs, raw_request
 
-MODEL = "paradraft"  # the Triton model the API calls (token ids in, text out)
 MAX_STOP = 16  # stop strings per request
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 # fields accepted because they change nothing in the output

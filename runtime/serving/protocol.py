@@ -1,6 +1,6 @@
-"""The serving protocol: the deployment's configuration, the scheduler it hosts, and the
-validation of every request. The only serving module the Triton model
-(``triton_repo/paradraft/1/model.py``) imports: it stays a thin adapter around these plain
+"""The serving protocol: the deployment's configuration, the scheduler it hosts, the
+tokenisation and validation of every request. The only serving module the Triton model
+(``triton_repo/ensemble/1/model.py``) imports: it stays a thin adapter around these plain
 functions, which are tested in process.
 """
 
@@ -10,6 +10,7 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from ..k_policy import check_draft_len_schedule
 from ..model import load_model
 from ..scheduler import Scheduler
 from ..speculative import FUSED_MODES, SpeculativeDecoder
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass
@@ -44,14 +48,19 @@ class ServeConfig:
     # the checkpoint's end ids (generation_config.json's win); a request's end_id replaces them
     eos_token_id: int | tuple[int, ...] | None = None
     rule_defaults: dict = field(default_factory=dict)
+    # per rule, the parameters calibrated to the verifier (the engine manifest's calibration,
+    # through Calibration.params_for): a request of that rule that leaves them unset gets
+    # these rather than rule_defaults' fixed values, which suit only a verifier as confident
+    # as the one they were chosen for
+    calibrated: dict[str, dict[str, float]] = field(default_factory=dict)
     # rounds with at least this many running requests decode without drafts (None: never)
     disable_by_batch_size: int | None = None
     # the round's K by batch size: TensorRT-LLM's {threshold: K}, or "auto" (goodput policy,
     # calibrated when the model loads); None: K every round
     draft_len_schedule: dict[int, int] | str | None = None
     # a streamed request's first tokens go out at once, later ones once this many have
-    # gathered (SGLang's --stream-interval): each response is an IPC hop through the
-    # ensemble, which a busy CPU pays for in throughput
+    # gathered (SGLang's --stream-interval): each response is an IPC hop to the server
+    # process, which a busy CPU pays for in throughput
     stream_interval: int = 1
     draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
     acceptance_floor: float = 0.6  # warn when the running acceptance rate falls below
@@ -107,7 +116,13 @@ class ServeConfig:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
                              f"got {self.drafter!r}")
+        check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
+        for rule in self.calibrated:  # each rule's calibrated values, validated
+            try:
+                rule_params(self, rule)
+            except ValueError as e:
+                raise ValueError(f"calibrated[{rule!r}]: {e}") from None
 
 
 def gpu_index(device: str) -> int | None:
@@ -166,9 +181,35 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
     return Scheduler(decoder, max_queue=config.max_queue)
 
 
+# the rule parameters a calibration may set (Calibration.params_for's keys)
+CALIBRATED_PARAMETERS = ("tau", "gamma", "alpha")
+
+
+def check_calibrated(calibrated: dict[str, dict[str, float]]) -> None:
+    for rule, params in calibrated.items():
+        if rule not in RULES:
+            raise ValueError(f"calibrated: rule must be one of {', '.join(RULES)}; got {rule!r}")
+        unknown = sorted(set(params) - set(CALIBRATED_PARAMETERS))
+        if unknown:
+            raise ValueError(f"calibrated[{rule!r}]: parameters must be among "
+                             f"{', '.join(CALIBRATED_PARAMETERS)}; got {unknown[0]!r}")
+
+
+def rule_params(config: ServeConfig, rule: str, temperature: float | None = None,
+                top_p: float | None = None, **explicit: float) -> RuleParams:
+    """``rule``'s parameters: those given (a request's own), else the rule's calibrated
+    value (``config.calibrated``), else the fixed default (``config.rule_defaults``, the
+    manifest's, else RuleParams')."""
+    return RuleParams(
+        rule,
+        temperature=config.temperature if temperature is None else temperature,
+        top_p=config.top_p if top_p is None else top_p,
+        **{**config.rule_defaults, **config.calibrated.get(rule, {}), **explicit})
+
+
 def default_params(config: ServeConfig) -> RuleParams:
-    return RuleParams(config.rule, temperature=config.temperature, top_p=config.top_p,
-                      **config.rule_defaults)
+    """The server's default rule with its defaults (calibrated where the rule has them)."""
+    return rule_params(config, config.rule)
 
 
 @dataclass
@@ -199,10 +240,14 @@ NEUTRAL_INPUTS = {
 }
 IGNORED_INPUTS = {"pad_id": int, "length_penalty": float}  # no padding, no beams here
 MAX_STOP_WORDS, MAX_STOP_WORD_TOKENS = 16, 32
-# every input of the paradraft model that parse_request reads (triton_repo/paradraft)
-REQUEST_INPUTS = ("input_ids", "max_tokens", "stream", "temperature", "top_p", "random_seed",
-                  "num_draft_tokens", "end_id", "correction_rule", "tau", "gamma", "alpha",
-                  "epsilon", "delta", "stop_words_ids", "stop_words_lengths",
+# bytes per allowed token beyond which a text is refused before it is tokenised: text runs at
+# about 4 bytes a token, and tokenising megabytes would hold up the instance's other requests
+MAX_TOKEN_BYTES = 64
+# every input of the served model that parse_request reads (triton_repo/ensemble)
+REQUEST_INPUTS = ("text_input", "input_ids", "input_lengths", "max_tokens", "stream",
+                  "temperature", "top_p", "random_seed", "num_draft_tokens", "end_id",
+                  "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta", "stop_words",
+                  "bad_words", "stop_words_ids", "stop_words_lengths",
                   *NEUTRAL_INPUTS, *IGNORED_INPUTS)
 
 
@@ -227,13 +272,146 @@ def scalar(inputs: dict[str, np.ndarray], name: str, kind: type):
     return kind(item)
 
 
-def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedRequest:
-    """Validate one request's tensors (TensorRT-LLM names plus ours) against the limits."""
-    if "input_ids" not in inputs or "max_tokens" not in inputs:
-        raise ValueError("input_ids and max_tokens are required")
-    prompt = np.asarray(inputs["input_ids"]).reshape(-1).astype(np.int64).tolist()
-    if not prompt:
-        raise ValueError("the prompt is empty")
+def one_text(raw: object, name: str) -> str:
+    """One BYTES element as text; invalid UTF-8 is refused, naming the input."""
+    if not isinstance(raw, bytes):
+        return str(raw)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def prompt_text(inputs: dict[str, np.ndarray], max_input_tokens: int) -> str:
+    """``text_input``'s one prompt: valid UTF-8, not empty, and no longer in bytes than
+    ``max_input_tokens`` tokens could be (checked before tokenising)."""
+    values = np.asarray(inputs["text_input"], dtype=object).reshape(-1)
+    if values.size != 1:
+        raise ValueError(f"text_input must hold exactly one prompt; got {values.size}")
+    raw = values[0] if isinstance(values[0], bytes) else str(values[0]).encode()
+    if len(raw) > MAX_TOKEN_BYTES * max_input_tokens:
+        raise ValueError(f"text_input is {len(raw)} bytes; the limit is {max_input_tokens} "
+                         "tokens")
+    text = one_text(raw, "text_input")
+    if not text:
+        raise ValueError("text_input is empty")
+    return text
+
+
+def encode_prompt(inputs: dict[str, np.ndarray], tokenizer: Tokenizer,
+                  max_input_tokens: int) -> list[int]:
+    """``text_input`` through the engine's (or verifier's) tokenizer, with its special tokens
+    (BOS), as the verifier was trained: 1 … ``max_input_tokens`` tokens."""
+    ids = tokenizer.encode(prompt_text(inputs, max_input_tokens)).ids
+    if not 1 <= len(ids) <= max_input_tokens:
+        raise ValueError(f"text_input is {len(ids)} tokens; allowed 1..{max_input_tokens}")
+    return ids
+
+
+def given_ids(inputs: dict[str, np.ndarray], tokenizer: Tokenizer | None,
+              max_input_tokens: int) -> list[int]:
+    """``input_ids`` as sent (TensorRT-LLM's name), with ``input_lengths`` (optional) equal to
+    their count and every id in the tokenizer's vocabulary (an id past the embedding would
+    fail the whole running batch, not just this request)."""
+    ids = np.asarray(inputs["input_ids"])
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be an integer tensor; got {ids.dtype}")
+    prompt = ids.reshape(-1).astype(np.int64).tolist()
+    if not 1 <= len(prompt) <= max_input_tokens:
+        raise ValueError(f"input_ids is {len(prompt)} tokens; allowed 1..{max_input_tokens}")
+    length = scalar(inputs, "input_lengths", int)
+    if length is not None and length != len(prompt):
+        raise ValueError(f"input_lengths must be {len(prompt)} (the number of input_ids); "
+                         f"got {length}")
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab - 1}]; got "
+                             f"{min(prompt) if min(prompt) < 0 else max(prompt)}")
+    return prompt
+
+
+def prompt_ids(inputs: dict[str, np.ndarray], tokenizer: Tokenizer | None,
+               max_input_tokens: int) -> list[int]:
+    """The request's prompt as token ids: from exactly one of ``text_input`` (tokenised
+    here) and ``input_ids``. ``tokenizer``: None where only token ids are served."""
+    given = [name for name in ("text_input", "input_ids") if name in inputs]
+    if len(given) != 1:
+        raise ValueError("send exactly one of text_input (the prompt as text) and input_ids "
+                         f"(its token ids); got {' and '.join(given) or 'neither'}")
+    if given == ["input_ids"]:
+        return given_ids(inputs, tokenizer, max_input_tokens)
+    if tokenizer is None:
+        raise ValueError("text_input: this server has no tokenizer; send input_ids")
+    return encode_prompt(inputs, tokenizer, max_input_tokens)
+
+
+def words(inputs: dict[str, np.ndarray], name: str) -> list[str]:
+    """The non-empty strings of an optional BYTES list input (TensorRT-LLM's clients send an
+    empty string for none)."""
+    if name not in inputs:
+        return []
+    texts = [one_text(raw, name) for raw in np.asarray(inputs[name], dtype=object).reshape(-1)]
+    return [text for text in texts if text]
+
+
+def stop_words_from_text(inputs: dict[str, np.ndarray], tokenizer: Tokenizer | None
+                         ) -> list[list[int]]:
+    """``stop_words`` tokenised each on its own, without special tokens (a word must match
+    generated tokens, which carry no BOS); ``bad_words`` is refused unless empty."""
+    if words(inputs, "bad_words"):
+        raise ValueError("bad_words: not supported by paradraft (send none or empty)")
+    texts = words(inputs, "stop_words")
+    if not texts:
+        return []
+    if tokenizer is None:
+        raise ValueError("stop_words: this server has no tokenizer; send stop_words_ids")
+    if len(texts) > MAX_STOP_WORDS:  # before tokenising any
+        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words; "
+                         f"got {len(texts)}")
+    out = []
+    for text in texts:
+        if len(text.encode()) > MAX_TOKEN_BYTES * MAX_STOP_WORD_TOKENS:
+            raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} "
+                             f"tokens; got one of {len(text.encode())} bytes")
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if not 1 <= len(ids) <= MAX_STOP_WORD_TOKENS:
+            raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} "
+                             f"tokens; {text[:40]!r} is {len(ids)}")
+        out.append(ids)
+    return out
+
+
+def stop_sequences(inputs: dict[str, np.ndarray], tokenizer: Tokenizer | None = None
+                   ) -> list[list[int]]:
+    """The stop words' token ids: ``stop_words`` (text, tokenised here) and
+    ``stop_words_ids`` (all ids in one flat tensor) with ``stop_words_lengths`` (each word's
+    length), at most MAX_STOP_WORDS words in all."""
+    ids = np.asarray(inputs.get("stop_words_ids", [])).reshape(-1).tolist()
+    lengths = np.asarray(inputs.get("stop_words_lengths", [])).reshape(-1).tolist()
+    if len(lengths) > MAX_STOP_WORDS:
+        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words; "
+                         f"got {len(lengths)}")
+    if any(not 1 <= n <= MAX_STOP_WORD_TOKENS for n in lengths) or sum(lengths) != len(ids):
+        raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} tokens "
+                         f"(stop_words_lengths {lengths} for {len(ids)} stop_words_ids)")
+    starts = np.cumsum([0, *lengths]).tolist()
+    sequences = [ids[a:b] for a, b in itertools.pairwise(starts)]
+    sequences += stop_words_from_text(inputs, tokenizer)
+    if len(sequences) > MAX_STOP_WORDS:
+        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words "
+                         f"(stop_words and stop_words_ids together); got {len(sequences)}")
+    return sequences
+
+
+def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
+                  tokenizer: Tokenizer | None = None) -> ParsedRequest:
+    """Validate one request's tensors (TensorRT-LLM names plus ours) against the limits;
+    ``text_input`` and ``stop_words`` are tokenised with ``tokenizer`` (the engine's
+    ``tokenizer.json``, a ``tokenizers.Tokenizer``)."""
+    prompt = prompt_ids(inputs, tokenizer, config.max_input_tokens)
+    if "max_tokens" not in inputs:
+        raise ValueError("max_tokens is required")
     max_tokens = scalar(inputs, "max_tokens", int)
     room = config.max_seq_len - len(prompt)
     if not 1 <= max_tokens <= room:
@@ -262,13 +440,8 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
         raise ValueError(f"correction_rule must be one of {', '.join(RULES)}; got {rule!r}")
     overrides = {name: scalar(inputs, name, float)
                  for name in ("tau", "gamma", "alpha", "epsilon", "delta")}
-    kwargs = {**config.rule_defaults, **{k: v for k, v in overrides.items() if v is not None}}
-    params = RuleParams(
-        rule,
-        temperature=config.temperature if temperature is None else temperature,
-        top_p=config.top_p if top_p is None else top_p,
-        **kwargs,
-    )
+    params = rule_params(config, rule, temperature, top_p,
+                         **{k: v for k, v in overrides.items() if v is not None})
     k = scalar(inputs, "num_draft_tokens", int)
     k = config.k if k is None else k
     if not 0 <= k <= config.k:  # 0: this request decodes without drafts
@@ -281,22 +454,7 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig) -> ParsedR
         seed = random.getrandbits(63)
     return ParsedRequest(prompt, max_tokens, params, k, seed % 2**63,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
-                         bool(stream), stop_sequences(inputs))
-
-
-def stop_sequences(inputs: dict[str, np.ndarray]) -> list[list[int]]:
-    """The stop words' token ids, as preprocessing sends them: all ids in one flat tensor
-    (``stop_words_ids``) and each word's length (``stop_words_lengths``)."""
-    ids = np.asarray(inputs.get("stop_words_ids", [])).reshape(-1).tolist()
-    lengths = np.asarray(inputs.get("stop_words_lengths", [])).reshape(-1).tolist()
-    if len(lengths) > MAX_STOP_WORDS:
-        raise ValueError(f"stop_words must hold at most {MAX_STOP_WORDS} words; "
-                         f"got {len(lengths)}")
-    if any(not 1 <= n <= MAX_STOP_WORD_TOKENS for n in lengths) or sum(lengths) != len(ids):
-        raise ValueError(f"stop_words: each word must be 1..{MAX_STOP_WORD_TOKENS} tokens "
-                         f"(stop_words_lengths {lengths} for {len(ids)} stop_words_ids)")
-    starts = np.cumsum([0, *lengths]).tolist()
-    return [ids[a:b] for a, b in itertools.pairwise(starts)]
+                         bool(stream), stop_sequences(inputs, tokenizer))
 
 
 def eos_or_none(end_id: int) -> int | None:

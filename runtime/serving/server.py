@@ -1,8 +1,8 @@
 """Triton Inference Server deployment: the model repository and the server process.
 
-``paradraft serve`` writes a model repository from the templates in ``triton_repo/``
-(preprocessing → paradraft, chained by an ensemble) and runs a real
-``tritonserver``. On a CPU machine that is the binary bundled in the ``nvidia-pytriton`` wheel
+``paradraft serve`` writes a model repository from the template in ``triton_repo/`` (one
+decoupled Python model, ``ensemble``, that tokenises, decodes and detokenises) and runs a
+real ``tritonserver``. On a CPU machine that is the binary bundled in the ``nvidia-pytriton`` wheel
 (the Makefile unpacks it into ``.venv/pytriton``); in an NGC container it is the one on PATH.
 ``fill_template`` is the one template filler: our repository and the TensorRT-LLM one
 (``paradraft.build.trtllm``) both use it.
@@ -24,10 +24,13 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .client import MODEL
 from .protocol import ServeConfig, gpu_index
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
-MODELS = ("preprocessing", "paradraft", "ensemble")
+# the repository's one model: a second would bring a second slot pool, or (an ensemble in
+# front) a hop that a client's cancellation does not pass on Triton 2.51
+MODELS = (MODEL,)
 # how long stop() lets the model instances end their requests before tritonserver exits
 STOP_WAIT_S = 10.0
 
@@ -87,7 +90,7 @@ def unquoted_placeholders(text: str) -> list[str]:
 
 
 def instance_group(config: ServeConfig) -> str:
-    """The paradraft model's ``instance_group``: ``config.instances`` per ``config.devices``
+    """The served model's ``instance_group``: ``config.instances`` per ``config.devices``
     entry, one group per distinct device (KIND_CPU, or KIND_GPU on that one GPU: Triton
     runs ``count`` instances on each GPU a group lists)."""
     counts: dict[int | None, int] = {}
@@ -109,12 +112,15 @@ def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Pat
     instances follow ``out/control`` (``Server.drain``, ``Server.stop``)."""
     repo = out / "model_repository"
     shutil.rmtree(out / "control", ignore_errors=True)  # a reused workdir's last shutdown
+    # a reused workdir's other models (an older layout's preprocessing and paradraft) would
+    # load beside this one: tritonserver loads every model in the repository
+    for old in repo.iterdir() if repo.is_dir() else ():
+        if old.name not in MODELS and old.is_dir():
+            shutil.rmtree(old)
     values = {
         "tokenizer_path": tokenizer_path,
-        "max_input_tokens": str(config.max_input_tokens),
         "site_packages": site_packages(),
-        "preprocessing_instances": "2",
-        "model_config": str(repo / "paradraft" / "paradraft.json"),
+        "model_config": str(repo / MODEL / "paradraft.json"),
         "control_dir": str(out / "control"),
         "instance_group": instance_group(config),
     }
@@ -127,7 +133,7 @@ def write_model_repo(config: ServeConfig, tokenizer_path: str, out: Path) -> Pat
         (dst / "config.pbtxt").write_text(text)
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
-    (repo / "paradraft" / "paradraft.json").write_text(json.dumps(asdict(config), indent=2))
+    (repo / MODEL / "paradraft.json").write_text(json.dumps(asdict(config), indent=2))
     return repo
 
 
@@ -154,7 +160,7 @@ class Server:
     metrics_port: int
     workdir: Path
     log: Path
-    instances: int = 1  # paradraft model instances, each reporting to the control dir
+    instances: int = 1  # model instances, each reporting to the control dir
     ready: bool = False  # the models loaded: their instances follow the control dir
 
     @property

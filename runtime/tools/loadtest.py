@@ -2,8 +2,8 @@
 
 For each concurrency level a fixed number of requests is sent by that many client threads
 (each sends its next request when the previous one finished), so the run stops by itself.
-Three protocols: ``grpc`` (the ensemble over a gRPC stream, what TensorRT-LLM's clients
-use), ``http`` (the ensemble's ``generate_stream`` server-sent events) and ``openai``
+Three protocols: ``grpc`` (the ``ensemble`` model over a gRPC stream, what TensorRT-LLM's
+clients use), ``http`` (its ``generate_stream`` server-sent events) and ``openai``
 (``/v1/completions`` streamed). Reports output tokens/s, time to first token and inter-token
 latency (p50/p99), errors (error responses), lost requests (no final response: none came in
 time, or the stream broke off) and acceptance. The in-process reference (``run_reference``)
@@ -101,10 +101,12 @@ def drain(conn: http.client.HTTPConnection, response: http.client.HTTPResponse) 
 
 def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                 timeout: float) -> Completion:
-    """Triton's ``generate_stream`` on the ensemble: one event per response; the final one
-    carries a finish_reason."""
+    """Triton's ``generate_stream`` on the served model: one event per response; the final
+    one carries a finish_reason."""
+    from ..serving.client import MODEL
+
     t0 = time.perf_counter()
-    response = http_stream(conn, "/v2/models/ensemble/generate_stream",
+    response = http_stream(conn, f"/v2/models/{MODEL}/generate_stream",
                            {"text_input": prompt, "max_tokens": max_tokens, "stream": True},
                            timeout)
     chunks, times, counts, last = [], [], [], {}
@@ -172,24 +174,24 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
 
 
 def grpc_stream(stub, prompt: str, max_tokens: int, timeout: float) -> Completion:
-    """The ensemble over one gRPC stream, read in this thread from the raw protobuf (no
+    """The served model over one gRPC stream, read in this thread from the raw protobuf (no
     tritonclient result objects, no stream thread: the load generator shares the server's
     cores). No status-code header, so an error response arrives in the stream and a broken
     stream (an RPC error, or no final response within ``timeout`` seconds) is a lost request."""
     import grpc
 
-    from ..serving.client import is_final, raw_outputs, raw_request
+    from ..serving.client import MODEL, is_final, raw_outputs, raw_request
 
-    request = raw_request("ensemble", {"text_input": ("BYTES", [prompt.encode()]),
-                                       "max_tokens": ("INT32", [max_tokens]),
-                                       "stream": ("BOOL", [True])})
+    request = raw_request(MODEL, {"text_input": ("BYTES", [prompt.encode()]),
+                                  "max_tokens": ("INT32", [max_tokens]),
+                                  "stream": ("BOOL", [True])})
     t0 = time.perf_counter()
     chunks, times, counts, last = [], [], [], {}
     final = False
     try:
         # read to the end of the stream, which the server closes after the final response:
-        # leaving it earlier cancels the RPC after it completed, and on Triton 2.51 an
-        # ensemble request cancelled that late is never released (its model cannot unload)
+        # leaving it earlier cancels the RPC after it completed, which Triton 2.51's gRPC
+        # frontend mishandles (an ensemble request cancelled that late was never released)
         for response in stub.ModelStreamInfer(iter([request]), timeout=timeout):
             if response.error_message:
                 raise ServerError(response.error_message)

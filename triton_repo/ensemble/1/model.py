@@ -1,14 +1,23 @@
-"""Triton Python model (decoupled): the speculative decoder behind an in-flight scheduler.
+"""Triton Python model (decoupled), the one model clients call (``ensemble``): the
+speculative decoder behind an in-flight scheduler.
 
-execute() validates each request, hands it to the scheduler and returns at once; the
-scheduler thread streams responses as rounds complete, through one sender thread. Every
-send, metric update and cancellation query is an IPC round trip to the server process
+It is named ``ensemble`` with TensorRT-LLM's ensemble tensors so that its clients work
+unchanged, but it is not a Triton ensemble: Triton 2.51's ensemble scheduler checks a
+client's cancellation only between steps, so a cancelled stream never reached a decoupled
+step already running, and the request held its slot to the end. Called directly, the
+client's cancellation reaches this model's response sender (TensorRT-LLM's
+tensorrt_llm_bls is a Python model too).
+
+execute() tokenises and validates each request, hands it to the scheduler and returns at
+once; the scheduler thread streams responses as rounds complete, through one sender thread,
+which also answers refused requests (REFUSAL_DELAY_S says why not execute() itself).
+Every send, metric update and cancellation query is an IPC round trip to the server process
 (measured on the CPU build: send ~0.15 ms, a metric update ~0.02 ms, is_cancelled ~0.03 ms),
 which the sender thread overlaps with the next round's compute instead of stalling the batch.
 
-The model detokenises its own output (incrementally, special tokens left out), so each
-response leaves with its text and the ensemble needs no postprocessing model: one IPC hop
-per response instead of three. Request parsing, detokenisation and the decoder set-up are
+The model tokenises its input and detokenises its output (incrementally, special tokens
+left out): one IPC hop per response, and no pre- or postprocessing model. Tokenisation,
+request parsing, detokenisation and the decoder set-up are
 paradraft.runtime.serving.protocol's (tested in process); this file only adapts them to
 Triton.
 
@@ -44,6 +53,15 @@ CANCEL_POLL_S = 0.05
 METRICS_FLUSH_S = 0.05
 # how often an instance reads `paradraft serve`'s control file (a drain or a stop)
 CONTROL_POLL_S = 0.1
+# a refused request's error response goes out this long after execute() took the request,
+# from the sender thread. Triton 2.51's gRPC frontend races on an error response that comes
+# back quickly to a stream opened with triton_grpc_error (as complete() and the OpenAI API
+# open theirs): with cancelled streams in between, tritonserver crashed (SIGSEGV) in 2 of 3
+# runs of tests/test_triton.py's refusal test when the model answered inside execute(), in
+# 2 of 9 when the sender thread answered at once, and in 0 of 24 with this delay. (Through
+# the old ensemble the error took two more hops; upstream fixed a use-after-free in that
+# handling after 2.51, PR #8708.) A refusal is rare, and 20 ms does not matter to it.
+REFUSAL_DELAY_S = 0.02
 
 
 class Metrics:
@@ -53,7 +71,7 @@ class Metrics:
     them (``flush``), one flush at a time: rounds that finish while a flush is queued are
     folded into it, so a busy server sends fewer, larger updates."""
 
-    def __init__(self, k, slots, instance):
+    def __init__(self, k, slots, model, instance):
         self.families = []  # a MetricFamily must outlive its Metrics: keep them all
 
         def family(name, kind, text):
@@ -61,7 +79,7 @@ class Metrics:
             return self.families[-1]
 
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        labels = {"model": "paradraft", "instance": instance}
+        labels = {"model": model, "instance": instance}  # Triton's names, as its own metrics
         self.drafted = family("paradraft_draft_tokens_total", counter,
                               "draft tokens proposed").Metric(labels=labels)
         self.accepted = family("paradraft_accepted_tokens_total", counter,
@@ -183,10 +201,16 @@ class Stream:
         self.poll_queued = False
 
 
+# what a request that names no outputs gets: TensorRT-LLM's ensemble outputs and ours, not
+# output_ids (a client asks for it by name)
+DEFAULT_OUTPUTS = frozenset({"text_output", "sequence_length", "acceptance_rate",
+                             "total_accepted_draft_tokens", "total_draft_tokens",
+                             "finish_reason"})
+
+
 def response(wanted, text, ids, length, stats=None, reason=""):
-    """The outputs the request asked for (an ensemble step asks for the ones it maps; a
-    client for its requested outputs, or all): building and sending each tensor is the
-    costliest part of a response. ``stats``: the final response's (accepted, drafted)."""
+    """The outputs the request asked for (``wanted``): building and sending each tensor is
+    the costliest part of a response. ``stats``: the final response's (accepted, drafted)."""
     values = {"text_output": ([text.encode()], np.object_), "output_ids": (ids, np.int32),
               "sequence_length": ([length], np.int32)}
     if stats is not None:
@@ -197,7 +221,7 @@ def response(wanted, text, ids, length, stats=None, reason=""):
             total_draft_tokens=([drafted], np.int32), finish_reason=([reason.encode()], np.object_))
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor(name, np.array([value], dtype=dtype))
-        for name, (value, dtype) in values.items() if wanted is None or name in wanted])
+        for name, (value, dtype) in values.items() if name in wanted])
 
 
 def error(message, code):
@@ -229,7 +253,7 @@ class TritonPythonModel:
                                           int(args["model_instance_device_id"]))
         self.scheduler = protocol.build_scheduler(self.config, device)
         self.k = max(self.config.k, 1)
-        self.metrics = Metrics(self.k, self.config.max_slots, self.instance)
+        self.metrics = Metrics(self.k, self.config.max_slots, args["model_name"], self.instance)
         self.live = {}  # request id -> its Stream, for requests running or queued
         # requests accepted whose final response has not gone out yet: the drain waits for 0
         self.open = 0
@@ -289,7 +313,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                wanted = set(request.requested_output_names()) or None
+                wanted = set(request.requested_output_names()) or DEFAULT_OUTPUTS
                 stop = pb_utils.get_input_tensor_by_name(request, "stop")
                 if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
                     self.stop(request.request_id(), sender, wanted)
@@ -302,14 +326,33 @@ class TritonPythonModel:
                     tensor_ = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor_ is not None:
                         inputs[name] = tensor_.as_numpy()
-                parsed = self.protocol.parse_request(inputs, self.config)
+                parsed = self.protocol.parse_request(inputs, self.config, self.tokenizer)
                 self.submit(self.make_request(parsed, sender, wanted, request.request_id()))
                 self.note_state()  # the queue depth moves at once, not at the next round
             except ValueError as e:
-                sender.send(error(str(e), INVALID), flags=FINAL)
+                self.refuse(sender, str(e), INVALID)
             except (self.QueueFull, RuntimeError) as e:  # full, or shutting down: retry later
-                sender.send(error(str(e), UNAVAILABLE), flags=FINAL)
+                self.refuse(sender, str(e), UNAVAILABLE)
         return None
+
+    def reply(self, sender, final, delay=0.0):
+        """Answer a request with its one, final response from the sender thread (after
+        ``delay`` seconds), not from inside execute()."""
+        self.opened(1)  # a drain or stop waits for it as for a request
+
+        def send():
+            try:
+                sender.send(final, flags=FINAL)
+            finally:
+                self.opened(-1)
+
+        if delay:
+            threading.Timer(delay, self.outbox.put, (send,)).start()
+        else:
+            self.outbox.put(send)
+
+    def refuse(self, sender, message, code):
+        self.reply(sender, error(message, code), REFUSAL_DELAY_S)
 
     def submit(self, request):
         """Hand a request to the scheduler; it counts as open until its final response."""
@@ -325,16 +368,16 @@ class TritonPythonModel:
             self.outbox.put(self.metrics.flush)
 
     def stop(self, request_id, sender, wanted):
-        """TensorRT-LLM's way to end a request: the same request id with ``stop`` true. It
-        reaches this model through the ensemble, which a client's stream cancellation does
-        not on Triton 2.51. The stopped request ends with a final response; so does this."""
+        """TensorRT-LLM's way to end a request: the same request id with ``stop`` true (on
+        another stream; cancelling the request's own stream frees it too). The stopped
+        request ends with a final response; so does this."""
         if not request_id:
             raise ValueError("stop needs the id of the request to stop (set request_id)")
         stopped = self.live.get(request_id)
         if stopped is None:
             raise ValueError(f"stop: no request with id {request_id!r} is running or queued")
         stopped.stopped = True  # the scheduler drops it at its next cancellation check
-        sender.send(response(wanted, "", [], 0, (0, 0)), flags=FINAL)
+        self.reply(sender, response(wanted, "", [], 0, (0, 0)))
 
     def account(self, s, stats, length=None):
         """Fold a request's counters since they were last read into the metrics (scheduler
@@ -349,7 +392,7 @@ class TritonPythonModel:
                             self.scheduler, length, now=length is not None):
             self.outbox.put(self.metrics.flush)
 
-    def make_request(self, parsed, sender, wanted=None, request_id=""):
+    def make_request(self, parsed, sender, wanted, request_id=""):
         s = Stream(parsed, sender, self.protocol.Detokenizer(self.tokenizer, parsed.prompt),
                    request_id, self.k)
         scheduler, outbox, interval = self.scheduler, self.outbox, self.config.stream_interval
@@ -429,5 +472,6 @@ class TritonPythonModel:
         self.closing.set()
         self.control_thread.join(timeout=5)
         self.scheduler.stop()
+        time.sleep(2 * REFUSAL_DELAY_S)  # refusals still delayed reach the outbox first
         self.outbox.put(None)
         self.sender_thread.join(timeout=30)
