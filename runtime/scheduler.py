@@ -140,11 +140,11 @@ class Scheduler:
             return {"active": len(self.running), "queued": len(self.queue),
                     "free_slots": len(self.free)}
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=timeout)
 
     # -- the scheduler thread -----------------------------------------------------------
 

@@ -231,7 +231,9 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
                                stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log,
                     instances=instance_count(config))
-    url = f"http://{host}:{http_port}/v2/health/ready"
+    # ready once the models are and the metrics endpoint answers too: under load, Triton
+    # reported ready before its metrics port listened
+    urls = [f"http://{host}:{http_port}/v2/health/ready", f"http://{host}:{metrics_port}/metrics"]
     try:
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
@@ -239,10 +241,14 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; log "
                                    f"{log}:\n" + log.read_text()[-4000:])
             try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        server.ready = True
-                        return server
+                while urls:
+                    with urllib.request.urlopen(urls[0], timeout=2) as r:
+                        if r.status != 200:
+                            break
+                    urls.pop(0)
+                if not urls:
+                    server.ready = True
+                    return server
             except OSError:
                 pass
             time.sleep(0.5)

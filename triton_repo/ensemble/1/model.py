@@ -62,6 +62,8 @@ CONTROL_POLL_S = 0.1
 # the old ensemble the error took two more hops; upstream fixed a use-after-free in that
 # handling after 2.51, PR #8708.) A refusal is rare, and 20 ms does not matter to it.
 REFUSAL_DELAY_S = 0.02
+# how long finalize() waits for each of the instance's threads
+FINALIZE_WAIT_S = 5.0
 
 
 class Metrics:
@@ -469,9 +471,18 @@ class TritonPythonModel:
         return me
 
     def finalize(self):
+        # bounded waits, well inside Triton's 30 s exit timeout: a thread stuck in an IPC
+        # call while the model unloads must not hold tritonserver until it is killed (once,
+        # under a full test suite's load, the unload took 30 s); the threads are daemons and
+        # end with the stub
         self.closing.set()
-        self.control_thread.join(timeout=5)
-        self.scheduler.stop()
+        self.control_thread.join(timeout=FINALIZE_WAIT_S)
+        self.scheduler.stop(timeout=FINALIZE_WAIT_S)
         time.sleep(2 * REFUSAL_DELAY_S)  # refusals still delayed reach the outbox first
         self.outbox.put(None)
-        self.sender_thread.join(timeout=30)
+        self.sender_thread.join(timeout=FINALIZE_WAIT_S)
+        stuck = [t.name for t in (self.control_thread, self.scheduler.thread,
+                                  self.sender_thread) if t.is_alive()]
+        if stuck:
+            pb_utils.Logger.log_warn(f"paradraft: unloading with {', '.join(stuck)} still "
+                                     f"busy after {FINALIZE_WAIT_S} s")
