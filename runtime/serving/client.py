@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import struct
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 
@@ -100,6 +101,15 @@ def raw_outputs(response) -> dict:
 
 def is_final(response) -> bool:
     return response.parameters["triton_final_response"].bool_param
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now (a health or readiness probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def stop_request(url: str, request_id: str, timeout: float = 60) -> None:

@@ -21,14 +21,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
-from .client import MODEL, is_final, raw_outputs, raw_request
+from .client import MODEL, answers, is_final, raw_outputs, raw_request
 
 MAX_STOP = 16  # stop strings per request
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -624,12 +623,8 @@ def start_openai_server(config: OpenAIConfig, ready_timeout: float = 120,
                 tail = log.read_text()[-3000:] if log is not None else ""
                 raise RuntimeError(f"the OpenAI API server exited with {process.returncode}"
                                    + (f"; log {log}:\n{tail}" if log is not None else ""))
-            try:
-                with urllib.request.urlopen(f"{server.url}/models", timeout=2) as r:
-                    if r.status == 200:
-                        return server
-            except OSError:
-                pass
+            if answers(f"{server.url}/models"):
+                return server
             time.sleep(0.2)
         raise TimeoutError(f"the OpenAI API server was not ready after {ready_timeout}s")
     except BaseException:

@@ -20,11 +20,10 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .client import MODEL
+from .client import MODEL, answers
 from .protocol import ServeConfig, gpu_index
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
@@ -240,17 +239,9 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
             if process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; log "
                                    f"{log}:\n" + log.read_text()[-4000:])
-            try:
-                while urls:
-                    with urllib.request.urlopen(urls[0], timeout=2) as r:
-                        if r.status != 200:
-                            break
-                    urls.pop(0)
-                if not urls:
-                    server.ready = True
-                    return server
-            except OSError:
-                pass
+            if all(answers(url) for url in urls):
+                server.ready = True
+                return server
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
     except BaseException:  # a timeout, or Ctrl-C / SIGTERM while waiting: no orphan server

@@ -28,7 +28,15 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from ..serving.client import Completion, LostRequest, ServerError
+from ..serving.client import (
+    MODEL,
+    Completion,
+    LostRequest,
+    ServerError,
+    is_final,
+    raw_outputs,
+    raw_request,
+)
 
 PROTOCOLS = ("grpc", "http", "openai")
 REFERENCE = "in-process"
@@ -103,8 +111,6 @@ def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                 timeout: float) -> Completion:
     """Triton's ``generate_stream`` on the served model: one event per response; the final
     one carries a finish_reason."""
-    from ..serving.client import MODEL
-
     t0 = time.perf_counter()
     response = http_stream(conn, f"/v2/models/{MODEL}/generate_stream",
                            {"text_input": prompt, "max_tokens": max_tokens, "stream": True},
@@ -179,8 +185,6 @@ def grpc_stream(stub, prompt: str, max_tokens: int, timeout: float) -> Completio
     cores). No status-code header, so an error response arrives in the stream and a broken
     stream (an RPC error, or no final response within ``timeout`` seconds) is a lost request."""
     import grpc
-
-    from ..serving.client import MODEL, is_final, raw_outputs, raw_request
 
     request = raw_request(MODEL, {"text_input": ("BYTES", [prompt.encode()]),
                                   "max_tokens": ("INT32", [max_tokens]),
