@@ -1,35 +1,30 @@
-"""``paradraft build --backend trtllm``: TensorRT-LLM engines for the verifier (target) and the
-draft, a Triton model repository for TensorRT-LLM's Triton backend, and manifest.json.
+"""``paradraft build --backend trtllm``: a TensorRT-LLM deployment for TensorRT-LLM >= 1.3.
 
-The TensorRT engine workflow of TensorRT-LLM's draft-target example
-(examples/draft_target_model/README.md): each HF checkpoint is converted with the model
-family's ``convert_checkpoint.py``, then ``trtllm-build`` compiles it; the target is built with
-``--speculative_decoding_mode draft_tokens_external --max_draft_len K`` so it verifies K
-external draft tokens in one step. Serving is TensorRT-LLM's ``tensorrt_llm_bls`` model, which
-runs draft → target rounds over two ``tensorrtllm``-backend models, behind an ensemble that
-exposes the same public tensor names as our own deployment (triton_repo/ensemble).
+TensorRT-LLM removed its TensorRT engine backend in v1.3.0rc21: PyTorch is its only backend, and
+HF checkpoints load directly (no ``convert_checkpoint.py``, no ``trtllm-build``). Speculation is
+the LLM API's ``speculative_config``, a union discriminated by ``decoding_type``
+(tensorrt_llm/llmapi/llm_args.py). This build writes, without TensorRT-LLM or a GPU:
 
-Everything the build runs is assembled by pure functions (argv lists, config text, dicts) so
-it is tested on machines without TensorRT-LLM; only ``run_steps`` executes anything, after
-``require_tools`` has named what is missing.
+- ``trtllm_serve.yaml``: the extra LLM API options of ``trtllm-serve MODEL --config FILE``, with
+  ``speculative_config`` = ``Draft_Target`` (``--draft``), ``PARD`` (a parallel draft, with
+  its ``mask_token_id``) or ``NGram`` (``--drafter ngram``), and our draft-length schedule and
+  acceptance floor mapped to ``draft_len_schedule`` / ``acceptance_rate_*``;
+- ``serve_trtllm.sh``: that exact ``trtllm-serve`` command line (OpenAI API on port 8000);
+- ``triton_repo/tensorrt_llm``: a model of Triton's Python ``llmapi`` backend, decoupled
+  (streaming): our ``config.pbtxt`` with the tensor names of TensorRT-LLM's, and ``1/model.yaml``
+  (its top-level keys are the LLM() arguments, ``triton_config`` the Triton settings) with the
+  same ``speculative_config``. ``1/model.py`` and ``1/helpers.py`` are TensorRT-LLM's: copied
+  from a checkout of the matching release (``PARADRAFT_TRTLLM_SRC``) when the build finds one,
+  else by ``serve_triton_llmapi.sh`` when the server starts. They are not part of paradraft;
+- ``manifest.json``.
 
-What TensorRT-LLM does not offer, stated here rather than hidden:
-- Only two of our correction rules exist there: token match (our ``greedy``) and logits-based
-  rejection sampling (our ``exact``, ``use_draft_logits``). The build refuses the others.
-- Its BLS speculative path is batch 1 per request and refuses ``stream`` (lib/decode.py:
-  "streaming is not supported with speculative decoding"); concurrency comes from BLS
-  instances (one per in-flight request) and in-flight batching inside the engines.
-- PARD (parallel draft) exists only in the LLM API / PyTorch backend as ``PARDDecodingConfig``
-  (NVIDIA/TensorRT-LLM PR #11438, merged 2026-02, after the 1.1.0 release this image pins);
-  there is no PARD engine path, so a parallel draft is recorded as an LLM API config only.
-- Parallel engines: tensor parallelism only. The verifier takes ``tp_size`` (the draft its own
-  ``draft_tp_size``, default 1); ``pp_size`` > 1 is refused, because TensorRT-LLM runs no
-  draft model under pipeline parallelism: its draft-target example lists Tensor Parallel as the
-  only parallel mode (examples/draft_target_model/README.md, "Support Matrix"), its Triton
-  launcher's --world_size reads "only support tensor parallelism now", and the LLM API's PyTorch
-  executor raises "Drafting is not supported for selected executor loop. Please disable
-  disagg/pipeline parallelism scheduler." (tensorrt_llm/_torch/pyexecutor/py_executor.py;
-  NVIDIA/TensorRT-LLM issue #9009, still open at 1.2.0rc2).
+What TensorRT-LLM does not do, refused here by name rather than approximated: our lossy rules
+(threshold, ratio, dynamic, typical) and the attention causal audit. Its acceptance is token
+match, or rejection sampling (``use_rejection_sampling``, our ``exact``); it has no public hook
+to change the rule (a ``User_Provided`` drafter only proposes tokens). Those rules run in
+paradraft's own runtime, on a GPU over TensorRT plans with the CausalCorrection plugin
+(``--backend tensorrt``). The TensorRT-LLM engine path of releases <= 1.2.1 is
+``--trtllm-engine-legacy`` (build/trtllm_engine.py).
 """
 
 from __future__ import annotations
@@ -39,665 +34,356 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from paradraft.runtime.backends.manifest import package_versions, write_manifest
-from paradraft.runtime.correction import RuleParams
-from paradraft.runtime.model import ModelConfig, load_config
-from paradraft.runtime.serving.server import fill_template, unquoted_placeholders
+from paradraft.runtime.correction import RULES, RuleParams
+from paradraft.runtime.model import load_config
 
-# The Dockerfile's base image and the TensorRT-LLM release inside it (NVIDIA's Triton
-# compatibility matrix: 25.12 = TensorRT-LLM 1.1.0, TensorRT 10.13.3.9, Python 3.12). The
-# convert scripts and Triton model templates must come from that same release.
-IMAGE = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
-TRTLLM_REF = "v1.1.0"
+from .trtllm_engine import check_heads, check_pair, plain
+from .trtllm_fields import (
+    LLM_ARGS_COMMIT,
+    LLMAPI_INPUTS,
+    LLMAPI_OUTPUTS,
+    SPECULATIVE_CLASSES,
+    unknown_fields,
+)
+
+# The GPU image's TensorRT-LLM release (the Dockerfile's `trtllm` stage; tag format of
+# nvcr.io/nvidia/tensorrt-llm/release: the version without a leading v) and the first release
+# without the TensorRT engine backend.
+IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc24"
+TRTLLM_REF = "v1.3.0rc24"
+FIRST_RELEASE = "1.3.0rc21"
 DEFAULT_SRC = Path(os.environ.get("PARADRAFT_TRTLLM_SRC", "/opt/tensorrt_llm_src"))
+LLMAPI_MODEL_DIR = "triton_backend/all_models/llmapi/tensorrt_llm"
+LLMAPI_FILES = ("model.py", "helpers.py")  # TensorRT-LLM's, copied next to model.yaml
+SERVE_PORT = 8000  # trtllm-serve's OpenAI API
+TRITON_PORTS = {"grpc": 8001, "http": 8000, "metrics": 8002}
 
-# convert_checkpoint.py per model family (paths in the TensorRT-LLM repo since 0.19;
-# mistral checkpoints go through the llama converter)
-CONVERT_SCRIPTS = {
-    "llama": "examples/models/core/llama/convert_checkpoint.py",
-    "mistral": "examples/models/core/llama/convert_checkpoint.py",
-    "qwen2": "examples/models/core/qwen/convert_checkpoint.py",
-    "gpt2": "examples/models/core/gpt/convert_checkpoint.py",
-}
-STOCK_MODELS_DIR = "triton_backend/all_models/inflight_batcher_llm"
-STOCK_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls")
-# our model name -> the stock model it is made from (the draft is a second tensorrt_llm)
-STOCK_COPIES = {name: name for name in STOCK_MODELS} | {"tensorrt_llm_draft": "tensorrt_llm"}
-DTYPES = ("float16", "bfloat16", "float32")
-# our rule -> TensorRT-LLM's acceptance: use_draft_logits False = token match, True = logits
-RULE_TO_DRAFT_LOGITS = {"greedy": False, "exact": True}
-# The BLS reads the target/draft configs over gRPC at localhost:8001 (tensorrt_llm_bls
-# model.py: model_config_api_baseurl), so this deployment's gRPC port is fixed.
-GRPC_PORT = 8001
+# drafter -> decoding_type
+DECODING_TYPES = {"model": "Draft_Target", "parallel": "PARD", "ngram": "NGram"}
+LOSSY_RULES = ("threshold", "ratio", "dynamic", "typical")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
-class TrtllmJob:
-    """One build: the two checkpoints, where everything goes, and the engine limits."""
+class LlmApiJob:
+    """One deployment: the checkpoints (paths as the server sees them), the drafter, limits."""
 
     verifier: Path
-    draft: Path
     out: Path
-    verifier_type: str = "llama"
-    draft_type: str = "llama"
-    dtype: str = "float16"
+    drafter: str = "model"
+    draft: Path | None = None  # the draft model (model) or the PARD draft (parallel)
+    rule: str = "greedy"
+    dtype: str = "auto"
     max_batch_size: int = 8
     max_k: int = 8
     max_seq_len: int = 512
-    use_draft_logits: bool = False
-    src: Path = DEFAULT_SRC
-    python: str = "python3"
-    # tensor / pipeline parallel ranks of the verifier; the draft is small and stays on
-    # draft_tp_size ranks (default 1) sharing the verifier's first GPUs
     tp_size: int = 1
-    pp_size: int = 1
-    draft_tp_size: int = 1
+    ngram_max: int = 3  # NGram's max_matching_ngram_size
+    # paradraft's form: {from this many running requests: K}; None: K = max_k always
+    draft_len_schedule: dict[int, int] | None = None
+    acceptance_floor: float | None = None
+    acceptance_window: int = 32
+    src: Path = DEFAULT_SRC
 
     @property
-    def world_size(self) -> int:
-        """Ranks of the verifier engine (one GPU each)."""
-        return self.tp_size * self.pp_size
-
-    @property
-    def gpus_needed(self) -> int:
-        # the draft runs on the verifier's first draft_tp_size GPUs (TensorRT-LLM's
-        # draft-target guide: sharing a GPU beats a GPU of its own when memory allows)
-        return max(self.world_size, self.draft_tp_size)
-
-    def parallel(self, role: str) -> tuple[int, int]:
-        """(tp, pp) of one engine."""
-        return (self.tp_size, self.pp_size) if role == "verifier" else (self.draft_tp_size, 1)
-
-    def gpu_device_ids(self, role: str) -> str:
-        """The ``gpu_device_ids`` of its Triton model: one GPU per rank, from GPU 0."""
-        tp, pp = self.parallel(role)
-        return ",".join(str(i) for i in range(tp * pp))
-
-    @property
-    def max_input_len(self) -> int:
-        return self.max_seq_len - 1  # at least one generated token
-
-    @property
-    def kv_cache_reuse(self) -> bool:
-        # Draft and target see the same growing prefix every round, so KV block reuse is what
-        # makes the BLS loop affordable; it needs paged context FMHA, whose kernels TensorRT-LLM
-        # has for fp16/bf16 only.
-        return self.dtype != "float32"
-
-    def ckpt_dir(self, role: str) -> Path:
-        return self.out / "trtllm" / "checkpoints" / role
-
-    def engine_dir(self, role: str) -> Path:
-        return self.out / "trtllm" / "engines" / role
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str
-    argv: list[str] = field(default_factory=list)
+    def decoding_type(self) -> str:
+        return DECODING_TYPES[self.drafter]
 
 
 # -- checks (pure) -------------------------------------------------------------------------
 
 
-def draft_logits_for_rule(rule: str) -> bool:
-    if rule not in RULE_TO_DRAFT_LOGITS:
-        raise ValueError(f"rule {rule!r} has no TensorRT-LLM equivalent; the trtllm backend "
-                         f"supports {', '.join(RULE_TO_DRAFT_LOGITS)} (token match / logits)")
-    return RULE_TO_DRAFT_LOGITS[rule]
+def check_rule(rule: str, drafter: str) -> None:
+    """Only TensorRT-LLM's own acceptance exists there; name what is refused and why."""
+    if rule in LOSSY_RULES:
+        raise ValueError(
+            f"--rule {rule}: TensorRT-LLM has no such acceptance rule and no hook to add one; "
+            f"our lossy rules ({', '.join(LOSSY_RULES)}) and the attention causal audit run "
+            "only in paradraft's own runtime (on a GPU: --backend tensorrt, TensorRT plans "
+            "with the CausalCorrection plugin). With --backend trtllm use --rule greedy (token "
+            "match) or --rule exact (rejection sampling)")
+    if rule not in RULES:
+        raise ValueError(f"--rule must be one of {', '.join(RULES)}; got {rule!r}")
+    if rule == "exact" and drafter == "ngram":
+        raise ValueError("--rule exact with --drafter ngram: TensorRT-LLM's rejection sampling "
+                         "runs on the one-model paths (Draft_Target, PARD), and an n-gram has "
+                         "no draft distribution; use --rule greedy (token match)")
 
 
-def check_job(job: TrtllmJob) -> None:
-    for label, value, low in [("max_batch_size", job.max_batch_size, 1),
-                              ("max_k", job.max_k, 1), ("max_seq_len", job.max_seq_len, 2),
-                              ("--tp-size", job.tp_size, 1), ("--pp-size", job.pp_size, 1),
-                              ("--draft-tp-size", job.draft_tp_size, 1)]:
+def check_job(job: LlmApiJob) -> None:
+    for label, value, low in [("--max-batch-size", job.max_batch_size, 1),
+                              ("--max-k", job.max_k, 1), ("--max-seq-len", job.max_seq_len, 2),
+                              ("--tp-size", job.tp_size, 1), ("--ngram-max", job.ngram_max, 1),
+                              ("--acceptance-window", job.acceptance_window, 1)]:
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{label} must be an integer >= {low}; got {value!r}")
+    if job.drafter not in DECODING_TYPES:
+        raise ValueError(f"--drafter must be one of {', '.join(DECODING_TYPES)} with --backend "
+                         f"trtllm; got {job.drafter!r}")
     if job.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {job.dtype!r}")
-    for label, model_type in [("verifier", job.verifier_type), ("draft", job.draft_type)]:
-        if model_type not in CONVERT_SCRIPTS:
-            raise ValueError(f"{label} model_type {model_type!r} has no TensorRT-LLM converter "
-                             f"here; supported: {', '.join(CONVERT_SCRIPTS)}")
-    check_pipeline(job)
+    if job.drafter == "ngram" and job.draft is not None:
+        raise ValueError(f"--drafter ngram drafts from the prompt and output; a draft model "
+                         f"({job.draft}) has no use there: leave out --draft/--parallel-draft")
+    if job.drafter != "ngram" and job.draft is None:
+        raise ValueError(f"--drafter {job.drafter} needs its draft checkpoint (--draft, or "
+                         "--parallel-draft for parallel)")
+    floor = job.acceptance_floor
+    if floor is not None and not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
+        raise ValueError(f"--acceptance-floor must be in [0, 1]; got {floor!r}")
+    check_rule(job.rule, job.drafter)
+    if job.draft_len_schedule is not None:
+        trtllm_schedule(job.draft_len_schedule, job.max_k, job.max_batch_size)
 
 
-def check_pair(verifier: ModelConfig, draft: ModelConfig, draft_dir: Path) -> None:
-    """Draft tokens are fed to the target as ids: the vocabularies must be the same."""
-    if draft.vocab_size != verifier.vocab_size:
-        raise ValueError(f"draft {draft_dir}: vocab_size {draft.vocab_size} differs from the "
-                         f"verifier's {verifier.vocab_size}")
+def trtllm_schedule(ours: dict[int, int] | str, max_k: int, max_batch_size: int
+                    ) -> dict[int, int]:
+    """Our draft-length schedule as TensorRT-LLM's. Ours maps the smallest batch size of a range
+    to its K (1:4,4:2,8:0 = K 4 for 1-3 running requests, 2 for 4-7, none from 8); theirs
+    maps the largest (4:4, 8:2 = K 4 for 1-4, 2 for 5-8, none above the largest key), and its
+    smallest key's K must be max_draft_len, the largest K. An open last range ends at
+    max_batch_size: no batch is larger."""
+    if not isinstance(ours, dict):
+        raise ValueError(f"--draft-len-schedule {ours!r}: TensorRT-LLM takes a fixed schedule "
+                         "(SIZE:K,...); 'auto' runs only in paradraft's own runtime")
+    sizes = sorted(ours)
+    if not sizes or sizes[0] != 1 or any(s > max_batch_size for s in sizes):
+        raise ValueError(f"--draft-len-schedule: batch sizes must start at 1 and stay within "
+                         f"--max-batch-size {max_batch_size}; got {sorted(ours.items())}")
+    ks = [ours[s] for s in sizes]
+    if any(k < 0 or k > max_k for k in ks) or ks[0] != max(ks) or ks[0] == 0:
+        raise ValueError(f"--draft-len-schedule: K must be in [0, --max-k {max_k}] and the K "
+                         "of 1 request must be the largest and > 0 (TensorRT-LLM's "
+                         f"max_draft_len); got {sorted(ours.items())}")
+    bounds = [nxt - 1 for nxt in sizes[1:]] + [max_batch_size]
+    return {upper: k for upper, k in zip(bounds, ks, strict=True) if k > 0}
 
 
-def check_pipeline(job: TrtllmJob) -> None:
-    """Refuse pipeline parallelism: every engine this build makes serves a draft model."""
-    if job.pp_size != 1:
-        raise ValueError(
-            f"--pp-size {job.pp_size}: TensorRT-LLM does not run a draft model (speculative "
-            "decoding) with pipeline parallelism: its draft-target path supports tensor "
-            "parallelism only and the LLM API refuses drafting with pipeline_parallel_size > 1. "
-            f"Valid: --pp-size 1; spread the verifier with --tp-size instead")
+# -- the LLM API arguments (pure) ------------------------------------------------------------
 
 
-def check_heads(flag: str, tp: int, role: str, config: ModelConfig) -> str | None:
-    """``tp`` must split the attention heads evenly; KV heads split evenly or, when tp is a
-    multiple of them, are replicated (TensorRT-LLM's converters call dup_kv_weight, which
-    asserts tp_size % num_kv_heads == 0). Returns a note when KV heads are replicated."""
-    heads, kv = config.n_heads, config.n_kv_heads
-    valid = ", ".join(str(d) for d in range(1, heads + 1)
-                      if heads % d == 0 and (kv % d == 0 or d % kv == 0))
-    if heads % tp:
-        raise ValueError(f"{flag} {tp}: must divide the {role}'s num_attention_heads {heads}; "
-                         f"valid: {valid}")
-    if kv % tp == 0:
-        return None
-    if tp % kv == 0:
-        return (f"{flag} {tp} > the {role}'s num_key_value_heads {kv}: TensorRT-LLM replicates "
-                f"each KV head on {tp // kv} ranks, so the KV cache per GPU holds one head and "
-                "shrinks no further")
-    raise ValueError(f"{flag} {tp}: must divide the {role}'s num_key_value_heads {kv} or be a "
-                     f"multiple of it (TensorRT-LLM then replicates KV heads); valid: {valid}")
+def speculative_config(job: LlmApiJob, mask_token_id: int | None = None) -> dict:
+    """``speculative_config`` of the LLM API for the job (names from llm_args.py)."""
+    max_draft_len = job.max_k
+    spec: dict = {"decoding_type": job.decoding_type}
+    if job.draft_len_schedule is not None:
+        schedule = trtllm_schedule(job.draft_len_schedule, job.max_k, job.max_batch_size)
+        max_draft_len = schedule[min(schedule)]
+        spec["draft_len_schedule"] = schedule
+    spec["max_draft_len"] = max_draft_len
+    if job.drafter == "ngram":
+        spec["max_matching_ngram_size"] = job.ngram_max
+    else:
+        spec["speculative_model"] = str(job.draft)
+    if job.drafter == "parallel":
+        spec["mask_token_id"] = mask_token_id
+    if job.rule == "exact":  # Leviathan et al. rejection sampling on non-greedy requests
+        spec["use_rejection_sampling"] = True
+    if job.acceptance_floor is not None:
+        # theirs turns speculation off for good below the floor; ours only warns
+        spec["acceptance_rate_window_size"] = job.acceptance_window
+        spec["acceptance_rate_threshold"] = float(job.acceptance_floor)
+    return spec
 
 
-def check_parallel(job: TrtllmJob, verifier: ModelConfig, draft: ModelConfig) -> list[str]:
-    """The tensor-parallel sizes against the two models' heads; returns notes."""
-    notes = [check_heads("--tp-size", job.tp_size, "verifier", verifier),
-             check_heads("--draft-tp-size", job.draft_tp_size, "draft", draft)]
-    return [n for n in notes if n]
+def llm_kwargs(job: LlmApiJob, mask_token_id: int | None = None) -> dict:
+    """The LLM() keyword arguments (model.yaml's top level; trtllm-serve takes ``model`` as its
+    argument and the rest from its --config YAML)."""
+    return {"model": str(job.verifier), "dtype": job.dtype,
+            "tensor_parallel_size": job.tp_size, "max_batch_size": job.max_batch_size,
+            "max_seq_len": job.max_seq_len, "max_input_len": job.max_seq_len - 1,
+            # per-request acceptance in responses (Triton's acceptance_rate output,
+            # trtllm-serve's perf metrics): what the acceptance-floor alert watches
+            "return_perf_metrics": True,
+            "speculative_config": speculative_config(job, mask_token_id)}
 
 
-def detect_gpu_count() -> int | None:
-    """GPUs that ``nvidia-smi -L`` lists (as TensorRT-LLM's launch_triton_server.py counts
-    them); None where there is no nvidia-smi or it fails (a CPU machine). Nothing is imported:
-    torch would report 0 on a CPU build machine, which is unknown rather than none."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    return count or None  # a driver without a GPU: nothing to check against
+def triton_config(job: LlmApiJob) -> dict:
+    # max_batch_size 0: the llmapi model takes one request per call (TensorRT-LLM batches
+    # inside); decoupled: streamed responses
+    return {"max_batch_size": 0, "decoupled": True}
 
 
-def check_world_size(job: TrtllmJob, gpus: int | None, source: str = "--gpus") -> str:
-    """tp × pp (and the draft's tp) against the GPUs the server will have. ``gpus`` None
-    (unknown: a CPU build machine, no --gpus) skips the check and says so."""
-    need = job.gpus_needed
-    layout = (f"--tp-size {job.tp_size} × --pp-size {job.pp_size} = {job.world_size} ranks "
-              f"(--draft-tp-size {job.draft_tp_size})")
-    if gpus is None:
-        return (f"GPU count unknown (no --gpus, no nvidia-smi): skipped checking {layout} "
-                f"against the GPUs; the server needs {need} GPU(s)")
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"--gpus must be an integer >= 1; got {gpus!r}")
-    if need > gpus:
-        raise ValueError(f"{layout} need {need} GPU(s) but {source} gives {gpus}; valid: "
-                         f"--tp-size × --pp-size <= {gpus} and --draft-tp-size <= {gpus}")
-    return f"{layout}: {need} of {gpus} GPU(s) ({source})"
+def yaml_text(data: dict, indent: int = 0) -> str:
+    """Block YAML of nested dicts of str / int / float / bool keys and scalars (strings as
+    JSON, which YAML reads as double-quoted scalars). PyYAML is not a runtime dependency."""
+    lines = []
+    for key, value in data.items():
+        pad = " " * indent
+        if isinstance(value, dict):
+            lines.append(f"{pad}{key}:")
+            lines.append(yaml_text(value, indent + 2))
+        else:
+            text = json.dumps(value) if isinstance(value, (str, bool)) else repr(value)
+            lines.append(f"{pad}{key}: {'null' if value is None else text}")
+    return "\n".join(lines)
 
 
-# -- command assembly (pure) ---------------------------------------------------------------
+def serve_yaml(kwargs: dict) -> str:
+    rest = {k: v for k, v in kwargs.items() if k != "model"}
+    return ("# Generated by `paradraft build --backend trtllm`: extra LLM API options of\n"
+            f"# `trtllm-serve {kwargs['model']} --config <this file>` (TensorRT-LLM >= "
+            f"{FIRST_RELEASE}; field names as in llm_args.py at {LLM_ARGS_COMMIT[:12]})\n"
+            + yaml_text(rest) + "\n")
 
 
-def convert_argv(job: TrtllmJob, role: str) -> list[str]:
-    model_dir, model_type = ((job.verifier, job.verifier_type) if role == "verifier"
-                             else (job.draft, job.draft_type))
-    tp, pp = job.parallel(role)
-    # the checkpoint carries the mapping: trtllm-build then writes one engine per rank
-    return [job.python, str(job.src / CONVERT_SCRIPTS[model_type]),
-            "--model_dir", str(model_dir), "--output_dir", str(job.ckpt_dir(role)),
-            "--dtype", job.dtype, "--tp_size", str(tp), "--pp_size", str(pp)]
+def model_yaml(kwargs: dict, triton: dict) -> str:
+    return ("# Generated by `paradraft build --backend trtllm`: TensorRT-LLM's Triton llmapi "
+            "model.\n# Top-level keys are the tensorrt_llm.LLM() arguments; triton_config is "
+            "Triton's.\n" + yaml_text({**kwargs, "triton_config": triton}) + "\n")
 
 
-def trtllm_build_argv(job: TrtllmJob, role: str) -> list[str]:
-    argv = ["trtllm-build", "--checkpoint_dir", str(job.ckpt_dir(role)),
-            "--output_dir", str(job.engine_dir(role)),
-            "--gemm_plugin", job.dtype,
-            "--max_batch_size", str(job.max_batch_size),
-            "--max_input_len", str(job.max_input_len),
-            "--max_seq_len", str(job.max_seq_len)]
-    if job.kv_cache_reuse:
-        argv += ["--use_paged_context_fmha", "enable"]
-    if role == "verifier":
-        # the target scores K external draft tokens (+1) per generation step
-        argv += ["--speculative_decoding_mode", "draft_tokens_external",
-                 "--max_draft_len", str(job.max_k)]
-    if job.use_draft_logits:
-        # logits-based acceptance: the draft returns its generation logits and the target
-        # compares them with its own, so both engines must keep them
-        argv += ["--gather_generation_logits"]
-    return argv
+def serve_argv(model: str, config: Path) -> list[str]:
+    return ["trtllm-serve", model, "--config", str(config), "--host", "0.0.0.0",
+            "--port", str(SERVE_PORT)]
 
 
-def build_steps(job: TrtllmJob) -> list[Step]:
-    return [Step("convert verifier", convert_argv(job, "verifier")),
-            Step("convert draft", convert_argv(job, "draft")),
-            Step("trtllm-build verifier", trtllm_build_argv(job, "verifier")),
-            Step("trtllm-build draft", trtllm_build_argv(job, "draft"))]
+def config_pbtxt() -> str:
+    """config.pbtxt of the llmapi model: TensorRT-LLM's tensor names and types (the ones its
+    model.py reads and sends); max_batch_size and decoupled come from model.yaml
+    (auto-complete), as its model.py expects."""
+    def tensors(items, optional):
+        return ",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: [ {d} ]'
+                          + (", optional: true" if optional and n != "text_input" else "") + " }"
+                          for n, t, d in items)
+    return (f'# Generated by `paradraft build --backend trtllm`: TensorRT-LLM {TRTLLM_REF}\'s '
+            '"llmapi" Python model (its 1/model.py).\n# Clients: text_input, streaming=true, '
+            'sampling_param_max_tokens; sampling_param_return_perf_metrics=true adds\n'
+            '# acceptance_rate, total_accepted_draft_tokens and total_draft_tokens.\n'
+            'name: "tensorrt_llm"\nbackend: "python"\n'
+            "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
+            f"input [\n{tensors(LLMAPI_INPUTS, True)}\n]\n"
+            f"output [\n{tensors(LLMAPI_OUTPUTS, False)}\n]\n")
 
 
-# -- the LLM API alternative (PyTorch backend) ---------------------------------------------
+def triton_script(repo: Path) -> str:
+    model_dir = repo / "tensorrt_llm" / "1"
+    src = f"${{PARADRAFT_TRTLLM_SRC:-{DEFAULT_SRC}}}/{LLMAPI_MODEL_DIR}/1"
+    ports = " ".join(f"--{k}-port={v}" for k, v in TRITON_PORTS.items())
+    copies = "\n".join(
+        f'[ -f {shlex.quote(str(model_dir / f))} ] || cp "{src}/{f}" '
+        f'{shlex.quote(str(model_dir / f))} || {{ echo "missing {f}: TensorRT-LLM '
+        f"{TRTLLM_REF}'s {LLMAPI_MODEL_DIR}/1/{f} (set PARADRAFT_TRTLLM_SRC)\" >&2; exit 1; }}"
+        for f in LLMAPI_FILES)
+    # no --disable-auto-complete-config: the llmapi model sets decoupled from model.yaml there
+    return ("#!/usr/bin/env bash\n# Generated by `paradraft build --backend trtllm`: Triton with "
+            f"TensorRT-LLM's llmapi model ({IMAGE} plus tritonserver)\nset -eu\n{copies}\n"
+            f'exec "${{TRITONSERVER:-tritonserver}}" --model-repository={shlex.quote(str(repo))} '
+            f'{ports} "$@"\n')
 
 
-def llm_api_config(job: TrtllmJob, parallel_draft: Path | None = None,
-                   mask_token_id: int | None = None) -> dict:
-    """JSON-able keyword arguments for ``tensorrt_llm.LLM``. ``speculative_model_dir`` is the
-    field name of TensorRT-LLM 1.1 and an accepted alias of ``speculative_model`` later. The
-    PyTorch backend runs the draft with the target's mapping: it has no draft_tp_size."""
-    spec = {"decoding_type": "Draft_Target", "max_draft_len": job.max_k,
-            "speculative_model_dir": str(job.draft)}
-    if parallel_draft is not None:
-        spec = {"decoding_type": "PARD", "max_draft_len": job.max_k,
-                "speculative_model_dir": str(parallel_draft), "mask_token_id": mask_token_id}
-    return {"model": str(job.verifier), "max_batch_size": job.max_batch_size,
-            "max_seq_len": job.max_seq_len, "max_input_len": job.max_input_len,
-            "tensor_parallel_size": job.tp_size, "pipeline_parallel_size": job.pp_size,
-            "speculative_config": spec}
+def serve_script(model: str, config: Path) -> str:
+    return ("#!/usr/bin/env bash\n# Generated by `paradraft build --backend trtllm`: the OpenAI "
+            f"API of trtllm-serve ({IMAGE}); flags given here override the YAML\nset -eu\n"
+            f'exec {shlex.join(serve_argv(model, config))} "$@"\n')
 
 
-def speculative_config(spec: dict):
-    """The tensorrt_llm.llmapi config object for ``spec`` (imports TensorRT-LLM lazily)."""
+# -- TensorRT-LLM itself, where it is installed ------------------------------------------------
+
+
+def validate_with_tensorrt_llm(kwargs: dict) -> str:
+    """Construct the LLM API's argument objects (TorchLlmArgs, the decoding config class) from
+    ``kwargs`` without loading weights, where tensorrt_llm imports; returns what was done."""
     if importlib.util.find_spec("tensorrt_llm") is None:
-        raise RuntimeError("the LLM API path needs the tensorrt_llm package (not installable "
-                           f"on this machine); run inside {IMAGE}")
-    from tensorrt_llm import llmapi
+        return ("not validated by TensorRT-LLM (tensorrt_llm is not installed here; field "
+                f"names checked against llm_args.py at {LLM_ARGS_COMMIT[:12]})")
+    from tensorrt_llm.llmapi import llm_args
 
-    kwargs = {k: v for k, v in spec.items() if k != "decoding_type" and v is not None}
-    if spec["decoding_type"] == "Draft_Target":
-        return llmapi.DraftTargetDecodingConfig(**kwargs)
-    cls = getattr(llmapi, "PARDDecodingConfig", None)
-    if cls is None:  # PARD arrived after TensorRT-LLM 1.1.0 (PR #11438)
-        raise RuntimeError("this TensorRT-LLM has no PARDDecodingConfig (added after 1.1.0, "
-                           "PyTorch backend only); use the draft model instead")
-    return cls(**kwargs)
-
-
-def make_llm(config: dict):
-    """``tensorrt_llm.LLM`` for a config from ``llm_api_config`` (PyTorch backend)."""
-    spec = speculative_config(config["speculative_config"])
-    from tensorrt_llm import LLM
-
-    kwargs = {k: v for k, v in config.items() if k != "speculative_config"}
-    return LLM(speculative_config=spec, **kwargs)
-
-
-# -- tools and the runner --------------------------------------------------------------------
-
-
-def missing_tools(job: TrtllmJob) -> list[str]:
-    missing = []
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        missing.append("the tensorrt_llm Python package")
-    if shutil.which("trtllm-build") is None:
-        missing.append("the trtllm-build command")
-    scripts = {CONVERT_SCRIPTS[job.verifier_type], CONVERT_SCRIPTS[job.draft_type]}
-    files = [rel for rel in [*sorted(scripts), *(f"{STOCK_MODELS_DIR}/{m}" for m in STOCK_MODELS)]
-             if not (job.src / rel).exists()]
-    if files:
-        missing.append(f"{', '.join(files)} from a TensorRT-LLM {TRTLLM_REF} checkout in "
-                       f"{job.src} (set PARADRAFT_TRTLLM_SRC)")
-    return missing
-
-
-def require_tools(job: TrtllmJob) -> None:
-    missing = missing_tools(job)
-    if missing:
-        raise RuntimeError("paradraft build --backend trtllm needs " + "; ".join(missing)
-                           + f". Run it inside {IMAGE} (docs/gpu.md); TensorRT-LLM cannot be "
-                           "installed on a machine without an NVIDIA GPU stack")
-
-
-def run_steps(steps: list[Step], log_dir: Path) -> None:
-    """Run each step, its output in log_dir/<n>.log; stop at the first failure, naming it."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    for i, step in enumerate(steps):
-        log = log_dir / f"{i}_{step.name.replace(' ', '_')}.log"
-        with open(log, "w") as f:
-            f.write(shlex.join(step.argv) + "\n")
-            f.flush()
-            code = subprocess.run(step.argv, stdout=f, stderr=subprocess.STDOUT).returncode
-        if code != 0:
-            raise RuntimeError(f"{step.name} failed (exit {code}); log {log}; command: "
-                               f"{shlex.join(step.argv)}")
-
-
-# -- the Triton model repository -------------------------------------------------------------
-
-# (public name, tensorrt_llm_bls name, data type, optional) of the ensemble inputs. The names
-# are our own ensemble's (triton_repo/ensemble); random_seed is TensorRT-LLM's `seed`.
-# correction_rule and its parameters have no TensorRT-LLM counterpart; use_draft_logits and
-# return_perf_metrics are TensorRT-LLM's own (an ensemble cannot inject constants, so the
-# client sends them).
-PUBLIC_INPUTS = [
-    ("text_input", "text_input", "TYPE_STRING", False),
-    ("max_tokens", "max_tokens", "TYPE_INT32", False),
-    ("stream", "stream", "TYPE_BOOL", True),
-    ("temperature", "temperature", "TYPE_FP32", True),
-    ("top_p", "top_p", "TYPE_FP32", True),
-    ("random_seed", "seed", "TYPE_UINT64", True),
-    ("num_draft_tokens", "num_draft_tokens", "TYPE_INT32", True),
-    ("end_id", "end_id", "TYPE_INT32", True),
-    ("use_draft_logits", "use_draft_logits", "TYPE_BOOL", True),
-    ("return_perf_metrics", "return_perf_metrics", "TYPE_BOOL", True),
-]
-# (name, data type, dims); the BLS's text_output is [-1] (one string per beam). Our ensemble's
-# sequence_length has no BLS counterpart and is left out.
-PUBLIC_OUTPUTS = [
-    ("text_output", "TYPE_STRING", "-1"),
-    ("acceptance_rate", "TYPE_FP32", "1"),
-    ("total_accepted_draft_tokens", "TYPE_INT32", "1"),
-    ("total_draft_tokens", "TYPE_INT32", "1"),
-]
-
-
-@dataclass(frozen=True)
-class TritonRepoSpec:
-    """The values the generated configs carry; paths as the server will see them."""
-
-    target_engine: str
-    draft_engine: str
-    tokenizer_dir: str
-    max_batch_size: int
-    max_seq_len: int
-    max_k: int
-    kv_cache_reuse: bool = True
-    # two engines share one GPU: each gets a fraction of the free memory for its KV cache
-    kv_cache_free_gpu_mem_fraction: float = 0.4
-    # one GPU per rank (TensorRT-LLM's gpu_device_ids: "Comma-separated list of GPU IDs")
-    target_gpu_ids: str = "0"
-    draft_gpu_ids: str = "0"
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the server uses (the models' device ids are 0..n-1)."""
-        ids = {i for ids in (self.target_gpu_ids, self.draft_gpu_ids) for i in ids.split(",")}
-        return len(ids)
-
-
-def ensemble_config(spec: TritonRepoSpec) -> str:
-    inputs = ",\n".join(
-        f'  {{ name: "{name}", data_type: {dtype}, dims: [ 1 ]'
-        + (", optional: true" if optional else "") + " }"
-        for name, _, dtype, optional in PUBLIC_INPUTS)
-    outputs = ",\n".join(f'  {{ name: "{name}", data_type: {dtype}, dims: [ {dims} ] }}'
-                         for name, dtype, dims in PUBLIC_OUTPUTS)
-    maps = "\n".join(f'      input_map {{ key: "{bls}" value: "{public}" }}'
-                     for public, bls, _, _ in PUBLIC_INPUTS)
-    maps += "\n" + "\n".join(f'      output_map {{ key: "{name}" value: "{name}" }}'
-                             for name, _, _ in PUBLIC_OUTPUTS)
-    return f"""\
-# Generated by `paradraft build --backend trtllm`. Public names as in paradraft's own ensemble
-# -> tensorrt_llm_bls (TensorRT-LLM's draft-target loop: tensorrt_llm_draft proposes up to
-# num_draft_tokens <= {spec.max_k} tokens, tensorrt_llm verifies them) -> text_output.
-# Send num_draft_tokens (no value = plain target decoding) and stream=false (the BLS reads it
-# and refuses streaming with speculative decoding); use_draft_logits=true selects logits-based
-# acceptance (our `exact`), return_perf_metrics=true asks for the acceptance counts.
-name: "ensemble"
-platform: "ensemble"
-max_batch_size: 1
-input [
-{inputs}
-]
-output [
-{outputs}
-]
-ensemble_scheduling {{
-  step [
-    {{
-      model_name: "tensorrt_llm_bls"
-      model_version: -1
-{maps}
-    }}
-  ]
-}}
-"""
-
-
-def stock_values(spec: TritonRepoSpec) -> dict[str, dict[str, str]]:
-    """${placeholder} values for TensorRT-LLM's stock config templates, per model."""
-    b = str(spec.max_batch_size)
-    common = {"max_queue_delay_microseconds": "0", "max_queue_size": "0",
-              "logits_datatype": "TYPE_FP32"}
-    engine = {
-        **common,
-        "triton_backend": "tensorrtllm",
-        "triton_max_batch_size": b,
-        # the BLS calls draft and target with exec(decoupled=False) in the speculative path
-        "decoupled_mode": "False",
-        "max_beam_width": "1",
-        "batching_strategy": "inflight_fused_batching",
-        "batch_scheduler_policy": "guaranteed_no_evict",
-        "max_tokens_in_paged_kv_cache": str(spec.max_batch_size * spec.max_seq_len),
-        "max_attention_window_size": str(spec.max_seq_len),
-        "kv_cache_free_gpu_mem_fraction": str(spec.kv_cache_free_gpu_mem_fraction),
-        "enable_kv_cache_reuse": str(spec.kv_cache_reuse),
-        "enable_chunked_context": "False",
-        # text_output carries only the new text, as our own deployment's does (the BLS reads
-        # this setting of both models to find the draft's new tokens in its output)
-        "exclude_input_in_output": "True",
-        "encoder_input_features_data_type": "TYPE_FP16",
-        "prompt_embedding_table_data_type": "TYPE_FP16",
-        "tokenizer_dir": spec.tokenizer_dir,
-    }
-    text = {**common, "triton_max_batch_size": b, "tokenizer_dir": spec.tokenizer_dir}
-    return {
-        "preprocessing": {**text, "preprocessing_instance_count": "1",
-                          "add_special_tokens": "True"},
-        "postprocessing": {**text, "postprocessing_instance_count": "1",
-                           "skip_special_tokens": "True"},
-        "tensorrt_llm": {**engine, "engine_dir": spec.target_engine,
-                         "gpu_device_ids": spec.target_gpu_ids},
-        "tensorrt_llm_draft": {**engine, "engine_dir": spec.draft_engine,
-                               "gpu_device_ids": spec.draft_gpu_ids},
-        # batch 1 per request (the speculative path refuses more); one instance per request
-        # the engines can batch, so that many requests run their loops at once
-        "tensorrt_llm_bls": {**common, "triton_max_batch_size": "1", "decoupled_mode": "False",
-                             "bls_instance_count": b, "accumulate_tokens": "False",
-                             "tensorrt_llm_model_name": "tensorrt_llm",
-                             "tensorrt_llm_draft_model_name": "tensorrt_llm_draft"},
-    }
-
-
-def rename_model(text: str, old: str, new: str) -> str:
-    line = f'name: "{old}"'
-    if line not in text:
-        raise ValueError(f"config has no {line!r} line to rename")
-    return text.replace(line, f'name: "{new}"', 1)
-
-
-def render_triton_repo(spec: TritonRepoSpec, stock_dir: Path) -> dict[str, str]:
-    """{model: config.pbtxt text}: TensorRT-LLM's stock templates (same release as the
-    engines) filled with our values, tensorrt_llm_draft, and our ensemble. Raises on a
-    template it cannot fill, so a build finds out before it spends minutes on engines."""
-    values = stock_values(spec)
-    texts = {}
-    for name, src in STOCK_COPIES.items():
-        if not (stock_dir / src / "config.pbtxt").is_file():
-            raise FileNotFoundError(f"missing {stock_dir / src / 'config.pbtxt'} (TensorRT-LLM "
-                                    f"{TRTLLM_REF}'s {STOCK_MODELS_DIR})")
-        text = fill_template((stock_dir / src / "config.pbtxt").read_text(), values[name])
-        if name != src:
-            text = rename_model(text, src, name)
-        left = unquoted_placeholders(text)
-        if left:
-            raise ValueError(f"{stock_dir / src / 'config.pbtxt'}: no value for "
-                             f"{', '.join(sorted(set(left)))} (template from another release?)")
-        texts[name] = text
-    texts["ensemble"] = ensemble_config(spec)
-    return texts
-
-
-def write_triton_repo(spec: TritonRepoSpec, stock_dir: Path, out: Path) -> Path:
-    """The repository: the stock models' files (their model.py) with our filled configs."""
-    texts = render_triton_repo(spec, stock_dir)
-    for name, text in texts.items():
-        if name in STOCK_COPIES:
-            shutil.copytree(stock_dir / STOCK_COPIES[name], out / name, dirs_exist_ok=True)
-        (out / name / "1").mkdir(parents=True, exist_ok=True)
-        (out / name / "config.pbtxt").write_text(text)
-    return out
-
-
-def launch_command(repo: Path, gpus: int = 1) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) to serve the repository on ``gpus`` GPUs: what TensorRT-LLM's
-    launch_triton_server.py --multi-model --world_size 1 runs. Two TensorRT-LLM models in one
-    server need the orchestrator mode, and there mpirun starts one process whatever the
-    engines' world size: launch_triton_server.py asserts "World size must be 1 when using
-    multi-model without disable-spawn-processes"; the orchestrator spawns each model's tp × pp
-    ranks itself on the GPUs of its gpu_device_ids."""
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be an integer >= 1; got {gpus!r}")
-    # no CUDA memory pool on any GPU the spawned workers use (launch_triton_server.py adds
-    # one --cuda-memory-pool-byte-size=<gpu>:0 per GPU in orchestrator mode)
-    pools = [f"--cuda-memory-pool-byte-size={g}:0" for g in range(gpus)]
-    argv = ["mpirun", "--allow-run-as-root", "-n", "1", "/opt/tritonserver/bin/tritonserver",
-            f"--model-repository={repo}", f"--grpc-port={GRPC_PORT}", "--http-port=8000",
-            "--metrics-port=8002", "--pinned-memory-pool-byte-size=0",
-            "--enable-peer-access=false", *pools,
-            "--disable-auto-complete-config",
-            "--backend-config=python,shm-region-prefix-name=prefix0_"]
-    env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
-    return argv, env
-
-
-def launch_script(repo: Path, spec: TritonRepoSpec | None = None) -> str:
-    gpus = spec.gpus if spec is not None else 1
-    argv, env = launch_command(repo, gpus)
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
-    layout = ""
-    if spec is not None:
-        layout = (f"# GPUs: tensorrt_llm (verifier) on {spec.target_gpu_ids}, "
-                  f"tensorrt_llm_draft on {spec.draft_gpu_ids}; the orchestrator spawns one "
-                  "worker per rank\n")
-    return (f"#!/usr/bin/env bash\n# Generated by `paradraft build --backend trtllm`: serve "
-            f"{repo} in {IMAGE}\n{layout}set -eu\n{exports}\nexec {shlex.join(argv)}\n")
+    spec = dict(kwargs["speculative_config"])
+    cls = getattr(llm_args, SPECULATIVE_CLASSES[spec.pop("decoding_type")])
+    args = llm_args.TorchLlmArgs(**{**kwargs, "speculative_config": cls(**spec)})
+    return f"validated by tensorrt_llm {package_versions(('tensorrt_llm',))['tensorrt_llm']} " \
+           f"({type(args).__name__}, {cls.__name__})"
 
 
 # -- the build ----------------------------------------------------------------------------
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "config.json")
+def copy_llmapi_model(src: Path, model_dir: Path) -> str:
+    """TensorRT-LLM's model.py + helpers.py next to model.yaml, from a checkout of the release;
+    returns what happened (they are copied at server start when not found now)."""
+    found = [src / LLMAPI_MODEL_DIR / "1" / f for f in LLMAPI_FILES]
+    if not all(f.is_file() for f in found):
+        return (f"{', '.join(LLMAPI_FILES)} not found in {src / LLMAPI_MODEL_DIR / '1'}: "
+                "serve_triton_llmapi.sh copies them from PARADRAFT_TRTLLM_SRC at start")
+    for f in found:
+        shutil.copyfile(f, model_dir / f.name)
+    return f"{', '.join(LLMAPI_FILES)} copied from {src / LLMAPI_MODEL_DIR / '1'}"
 
 
-def copy_tokenizer(verifier: Path, out: Path) -> str | None:
-    """tokenizer.json for our manifest, plus a HF tokenizer dir for the stock pre/post models
-    (they load it with transformers.AutoTokenizer)."""
-    dst = out / "tokenizer"
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (verifier / name).is_file():
-            shutil.copyfile(verifier / name, dst / name)
-    if not (verifier / "tokenizer.json").is_file():
-        return None
-    shutil.copyfile(verifier / "tokenizer.json", out / "tokenizer.json")
-    return "tokenizer.json"
+def write_script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
 
 
-def engine_graphs(job: TrtllmJob, role: str) -> dict:
-    """trtllm-build writes config.json + rank<r>.engine for each of the tp × pp ranks."""
-    rel = job.engine_dir(role).relative_to(job.out)
-    tp, pp = job.parallel(role)
-    ranks = {("engine" if r == 0 else f"engine_rank{r}"): {"file": str(rel / f"rank{r}.engine")}
-             for r in range(tp * pp)}
-    return {**ranks, "engine_config": {"file": str(rel / "config.json")}}
-
-
-def parallel_manifest(job: TrtllmJob, gpu_check: str, notes: list[str]) -> dict:
-    """The ranks and GPUs of each engine, and what was checked, for manifest.json."""
-    roles = {}
-    for role in ("verifier", "draft"):
-        tp, pp = job.parallel(role)
-        roles[role] = {"tp_size": tp, "pp_size": pp, "gpu_device_ids": job.gpu_device_ids(role)}
-    return {**roles, "gpus_needed": job.gpus_needed, "gpu_check": gpu_check, "notes": notes}
-
-
-def plain(config: ModelConfig) -> dict:
-    """A model config as manifest.json stores it (tuples become lists), so the manifest this
-    build returns equals the one read back."""
-    return json.loads(json.dumps(asdict(config)))
-
-
-def build_trtllm(job: TrtllmJob, rule_defaults: RuleParams | None = None,
-                 parallel_draft: Path | None = None, serve_root: Path | None = None,
-                 runner: Callable[[list[Step], Path], None] | None = None,
-                 gpus: int | None = None, gpus_source: str = "--gpus") -> dict:
-    """Convert + build both engines, write the Triton repository and manifest.json; returns
-    the manifest. ``serve_root``: where ``job.out`` will be mounted when served (default: its
-    absolute path here). ``runner``: replaces ``run_steps`` (tests); without it the tools
-    must be present. ``gpus``: GPUs of the serving machine, checked against the ranks (None:
-    unknown, the check is skipped and the manifest says so)."""
-    rule_defaults = rule_defaults or RuleParams("greedy")
+def build_trtllm(job: LlmApiJob, gpus: int | None = None, gpus_source: str = "--gpus") -> dict:
+    """Write the deployment and manifest.json; returns the manifest. Nothing here needs
+    TensorRT-LLM or a GPU; where tensorrt_llm imports, the arguments are also validated by it."""
     check_job(job)
-    vc, dc = load_config(job.verifier), load_config(job.draft)
-    check_pair(vc, dc, job.draft)
-    notes = check_parallel(job, vc, dc)
-    gpu_check = check_world_size(job, gpus, gpus_source)
+    vc = load_config(job.verifier)
+    notes = [n for n in [check_heads("--tp-size", job.tp_size, "verifier", vc)] if n]
+    if gpus is not None and job.tp_size > gpus:
+        raise ValueError(f"--tp-size {job.tp_size} needs {job.tp_size} GPU(s) but {gpus_source} "
+                         f"gives {gpus}; valid: --tp-size <= {gpus}")
+    models = {"verifier": {"source": str(job.verifier), "config": plain(vc), "graphs": {}}}
     mask_token_id = None
-    if parallel_draft is not None:
-        mask_token_id = load_config(parallel_draft).mask_token_id
-        if mask_token_id is None:
-            raise ValueError(f"parallel_draft {parallel_draft}: config.json has no mask_token_id")
-    steps = build_steps(job)
-    root = Path(serve_root) if serve_root is not None else job.out.resolve()
-    spec = TritonRepoSpec(
-        target_engine=str(root / job.engine_dir("verifier").relative_to(job.out)),
-        draft_engine=str(root / job.engine_dir("draft").relative_to(job.out)),
-        tokenizer_dir=str(root / "tokenizer"), max_batch_size=job.max_batch_size,
-        max_seq_len=job.max_seq_len, max_k=job.max_k, kv_cache_reuse=job.kv_cache_reuse,
-        target_gpu_ids=job.gpu_device_ids("verifier"), draft_gpu_ids=job.gpu_device_ids("draft"))
-    if runner is None:
-        require_tools(job)
-        runner = run_steps
-    render_triton_repo(spec, job.src / STOCK_MODELS_DIR)  # fail before the long build
-    job.out.mkdir(parents=True, exist_ok=True)
-    runner(steps, job.out / "trtllm" / "logs")
+    if job.draft is not None:
+        dc = load_config(job.draft)
+        check_pair(vc, dc, job.draft)
+        models["draft"] = {"source": str(job.draft), "config": plain(dc), "graphs": {}}
+        if job.drafter == "parallel":
+            mask_token_id = dc.mask_token_id
+            if mask_token_id is None:
+                raise ValueError(f"--parallel-draft {job.draft}: config.json has no "
+                                 "mask_token_id (PARD's mask token)")
+    kwargs = llm_kwargs(job, mask_token_id)
+    triton = triton_config(job)
+    bad = unknown_fields(kwargs, triton)
+    if bad:  # a field we would write that TensorRT-LLM does not have: a bug here, not input
+        raise AssertionError(f"fields not in llm_args.py at {LLM_ARGS_COMMIT}: {bad}")
+    validated = validate_with_tensorrt_llm(kwargs)
 
-    tokenizer = copy_tokenizer(job.verifier, job.out)
-    write_triton_repo(spec, job.src / STOCK_MODELS_DIR, job.out / "triton_repo")
-    (job.out / "serve_trtllm.sh").write_text(launch_script(root / "triton_repo", spec))
-    (job.out / "serve_trtllm.sh").chmod(0o755)
-
+    out = job.out
+    repo = out / "triton_repo"
+    model_dir = repo / "tensorrt_llm" / "1"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (out / "trtllm_serve.yaml").write_text(serve_yaml(kwargs))
+    (repo / "tensorrt_llm" / "config.pbtxt").write_text(config_pbtxt())
+    (model_dir / "model.yaml").write_text(model_yaml(kwargs, triton))
+    copied = copy_llmapi_model(job.src, model_dir)
+    root = out.resolve()
+    write_script(out / "serve_trtllm.sh",
+                 serve_script(kwargs["model"], root / "trtllm_serve.yaml"))
+    write_script(out / "serve_triton_llmapi.sh", triton_script(root / "triton_repo"))
+    files = {"trtllm_serve_yaml": "trtllm_serve.yaml",
+             "triton_model_yaml": "triton_repo/tensorrt_llm/1/model.yaml",
+             "triton_config": "triton_repo/tensorrt_llm/config.pbtxt"}
+    models["verifier"]["graphs"] = {k: {"file": v} for k, v in files.items()}
     manifest = {
         "backend": "trtllm",
         "dtype": job.dtype,
         "vocab_size": vc.vocab_size,
         "limits": {"max_batch_size": job.max_batch_size, "max_k": job.max_k,
-                   "max_seq_len": job.max_seq_len, "max_input_len": job.max_input_len},
-        "tokenizer": tokenizer,
-        "rule_defaults": asdict(rule_defaults),
-        "models": {
-            "verifier": {"source": str(job.verifier), "config": plain(vc),
-                         "graphs": engine_graphs(job, "verifier")},
-            "draft": {"source": str(job.draft), "config": plain(dc),
-                      "graphs": engine_graphs(job, "draft")},
-        },
-        # a parallel draft has no engine here: it is in trtllm.llm_api (PARD) only
-        "drafters": {"model": "draft"},
+                   "max_seq_len": job.max_seq_len},
+        "tokenizer": None,
+        "rule_defaults": asdict(RuleParams(job.rule)),
+        "models": models,
+        "drafters": {job.drafter: "draft" if job.draft is not None else None},
         "trtllm": {
-            "image": IMAGE,
-            "tensorrt_llm_ref": TRTLLM_REF,
-            "speculative_decoding_mode": "draft_tokens_external",
-            "max_draft_len": job.max_k,
-            "use_draft_logits": job.use_draft_logits,
-            "kv_cache_reuse": job.kv_cache_reuse,
-            "parallel": parallel_manifest(job, gpu_check, notes),
-            "steps": [asdict(s) for s in steps],
-            "triton_repo": "triton_repo",
-            "launch": "serve_trtllm.sh",
-            "serve_root": str(root),
-            "llm_api": llm_api_config(job, parallel_draft, mask_token_id),
+            "image": IMAGE, "tensorrt_llm_ref": TRTLLM_REF, "min_version": FIRST_RELEASE,
+            "fields_commit": LLM_ARGS_COMMIT, "validation": validated,
+            "llm_api": kwargs, "triton_config": triton,
+            "serve": {"argv": serve_argv(kwargs["model"], root / "trtllm_serve.yaml"),
+                      "script": "serve_trtllm.sh"},
+            "triton": {"repo": "triton_repo", "script": "serve_triton_llmapi.sh",
+                       "model_py": copied, "ports": TRITON_PORTS},
+            "gpus": {"needed": job.tp_size, "given": gpus, "source": gpus_source},
+            "notes": notes,
         },
-        "versions": package_versions(("paradraft", "tensorrt_llm", "tensorrt", "torch")),
+        "versions": package_versions(("paradraft", "tensorrt_llm", "torch")),
     }
-    return write_manifest(job.out, manifest)
+    return write_manifest(out, manifest)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from paradraft.build import onnx as onnx_build
 from paradraft.build import tensorrt as tensorrt_build
-from paradraft.build.trtllm import (
+from paradraft.build import trtllm as trtllm_build
+from paradraft.build import trtllm_engine as trtllm_engine_build
+from paradraft.build.trtllm_engine import (
     TrtllmJob,
     build_trtllm,
     check_job,
@@ -19,6 +22,7 @@ from paradraft.build.trtllm import (
 )
 from paradraft.runtime.checkpoints import DEMO_DIR
 from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import load_config
 
 from .common import add_rule_args, rule_params
@@ -45,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "onnx: int8 (default; the verifier decides, so output is unchanged) "
                          "or float32; --backend tensorrt takes float32 (use --precision)")
     add_trtllm_parallel_args(p)
+    add_trtllm_deploy_args(p)
     p.add_argument("--weights-dtype", choices=["float32", "float16"], default=None,
                     help="how the ONNX graphs store their float weights (--backend onnx, "
                          "tensorrt): float32 (default) or float16, cast back to fp32 in the "
@@ -73,16 +78,57 @@ def add_trtllm_parallel_args(p: argparse.ArgumentParser) -> None:
                         "nvidia-smi's count; without one the check is skipped)")
 
 
+# names and defaults of the TensorRT-LLM deployment options (--backend trtllm)
+TRTLLM_DEPLOY_DEFAULTS = {"trtllm_engine_legacy": False, "drafter": None, "ngram_max": None,
+                          "draft_len_schedule": None, "acceptance_floor": None,
+                          "acceptance_window": 32}
+
+
+def add_trtllm_deploy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "TensorRT-LLM deployment (--backend trtllm): a trtllm-serve YAML and a Triton llmapi "
+        f"model for TensorRT-LLM >= {trtllm_build.FIRST_RELEASE} (PyTorch backend; no "
+        "TensorRT-LLM or GPU needed to write it)")
+    g.add_argument("--trtllm-engine-legacy", action="store_true",
+                   help="LEGACY: convert_checkpoint.py + trtllm-build engines and the "
+                        "inflight_batcher_llm Triton repository, for TensorRT-LLM <= "
+                        f"{trtllm_engine_build.LAST_RELEASE} only (image "
+                        f"{trtllm_engine_build.IMAGE}); removed from TensorRT-LLM in "
+                        f"{trtllm_build.FIRST_RELEASE}")
+    g.add_argument("--drafter", choices=list(trtllm_build.DECODING_TYPES), default=None,
+                   help="speculative_config: model = Draft_Target (--draft), parallel = PARD "
+                        "(--parallel-draft, its config's mask_token_id), ngram = NGram (no "
+                        "draft model). Default: parallel when only --parallel-draft is given, "
+                        "else model")
+    g.add_argument("--ngram-max", type=int, default=None, metavar="N",
+                   help="--drafter ngram: longest n-gram matched (max_matching_ngram_size; "
+                        "default TensorRT-LLM's, 2)")
+    g.add_argument("--draft-len-schedule", type=parse_draft_len_schedule, default=None,
+                   metavar="SIZE:K,...", help="K by running batch size as in `serve` "
+                   "(1:4,4:2,8:0 = K 4 below 4 requests, 2 below 8, none from 8), written as "
+                   "TensorRT-LLM's draft_len_schedule; the K of 1 request is max_draft_len")
+    g.add_argument("--acceptance-floor", type=float, default=None, metavar="RATE",
+                   help="acceptance_rate_threshold: TensorRT-LLM turns speculation OFF for good "
+                        "when the rolling acceptance falls below RATE (in [0, 1]; paradraft's "
+                        "own runtime only warns)")
+    g.add_argument("--acceptance-window", type=int, default=32, metavar="N",
+                   help="acceptance_rate_window_size: rounds in that rolling acceptance "
+                        "(default 32; with --acceptance-floor)")
+
+
 def run(args: argparse.Namespace) -> None:
     if args.backend == "trtllm":
         if getattr(args, "weights_dtype", None) is not None:
             raise ValueError("--weights-dtype: the trtllm backend takes its dtype from "
                              "--precision / --dtype")
-        return run_trtllm(args)
-    given = [k for k, v in TRTLLM_PARALLEL_DEFAULTS.items() if getattr(args, k) != v]
+        if args.trtllm_engine_legacy:
+            return run_trtllm(args)
+        return run_trtllm_llmapi(args)
+    given = [k for k, v in {**TRTLLM_PARALLEL_DEFAULTS, **TRTLLM_DEPLOY_DEFAULTS}.items()
+             if getattr(args, k) != v]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise ValueError(f"{flags}: only --backend trtllm builds parallel engines; got "
+        raise ValueError(f"{flags}: only --backend trtllm reads these; got "
                          f"--backend {args.backend}")
     if args.backend == "tensorrt":  # the same ONNX export, then plans built from it
         build_engines, options = tensorrt_build.build_engines, {"precision": args.precision}
@@ -138,8 +184,69 @@ def gpus_from_args(args: argparse.Namespace) -> tuple[int | None, str]:
     return detect_gpu_count(), "nvidia-smi"
 
 
+def llmapi_job_from_args(args: argparse.Namespace) -> trtllm_build.LlmApiJob:
+    """The TensorRT-LLM >= 1.3 deployment the `build` arguments ask for (the demo set when no
+    models are given)."""
+    if args.self_draft_layers is not None:
+        raise ValueError("--self-draft-layers: TensorRT-LLM runs no self-draft; use --drafter "
+                         "model, parallel or ngram")
+    if args.pp_size != 1:
+        raise ValueError(f"--pp-size {args.pp_size}: TensorRT-LLM refuses drafting with "
+                         "pipeline_parallel_size > 1; valid: --pp-size 1 (use --tp-size)")
+    if args.draft_tp_size != 1:
+        raise ValueError(f"--draft-tp-size {args.draft_tp_size}: TensorRT-LLM's PyTorch backend "
+                         "runs the draft with the verifier's --tp-size; valid: 1 (only the "
+                         "legacy engine path takes it)")
+    drafter = args.drafter or ("parallel" if args.parallel_draft and not args.draft else "model")
+    options = {"model": "--draft", "parallel": "--parallel-draft"}
+    given = {"--draft": args.draft, "--parallel-draft": args.parallel_draft}
+    unused = [flag for flag, value in given.items()
+              if value is not None and flag != options.get(drafter)]
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: --drafter {drafter} does not use it "
+                         f"({'no draft model' if drafter == 'ngram' else options[drafter]})")
+    verifier, draft = args.verifier, given.get(options.get(drafter))
+    if verifier is None:  # no model arguments: the shipped demo set
+        verifier = DEMO_DIR / "verifier"
+        if drafter != "ngram":
+            draft = draft or DEMO_DIR / ("draft" if drafter == "model" else "parallel_draft")
+    if args.ngram_max is not None and drafter != "ngram":
+        raise ValueError(f"--ngram-max: only --drafter ngram reads it; got --drafter {drafter}")
+    if args.acceptance_window != 32 and args.acceptance_floor is None:
+        raise ValueError("--acceptance-window: only read with --acceptance-floor")
+    extra = {"ngram_max": args.ngram_max} if args.ngram_max is not None else {}
+    return trtllm_build.LlmApiJob(
+        verifier=Path(verifier).resolve(), out=Path(args.out), drafter=drafter,
+        draft=Path(draft).resolve() if draft is not None else None, rule=args.rule,
+        dtype=PRECISION_DTYPES.get(getattr(args, "precision", None), args.dtype),
+        max_batch_size=args.max_batch_size, max_k=args.max_k, max_seq_len=args.max_seq_len,
+        tp_size=args.tp_size, draft_len_schedule=args.draft_len_schedule,
+        acceptance_floor=args.acceptance_floor, acceptance_window=args.acceptance_window,
+        **extra)
+
+
+def run_trtllm_llmapi(args: argparse.Namespace) -> None:
+    """`paradraft build --backend trtllm` (TensorRT-LLM >= 1.3)."""
+    job = llmapi_job_from_args(args)
+    gpus, source = gpus_from_args(args)
+    manifest = trtllm_build.build_trtllm(job, gpus, source)
+    t = manifest["trtllm"]
+    print(f"paradraft: {t['validation']}", file=sys.stderr, flush=True)
+    print(json.dumps({"manifest": str(job.out / "manifest.json"),
+                      "decoding_type": job.decoding_type,
+                      "trtllm_serve": shlex.join(t["serve"]["argv"]),
+                      "triton_repo": str(job.out / "triton_repo"),
+                      "serve_triton": str(job.out / t["triton"]["script"]),
+                      "llmapi_model_py": t["triton"]["model_py"]}, indent=2))
+
+
 def run_trtllm(args: argparse.Namespace) -> None:
-    """`paradraft build --backend trtllm`."""
+    """`paradraft build --backend trtllm --trtllm-engine-legacy` (TensorRT-LLM <= 1.2.1)."""
+    given = [k for k, v in TRTLLM_DEPLOY_DEFAULTS.items()
+             if k != "trtllm_engine_legacy" and getattr(args, k, v) != v]
+    if given:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in given)}: not "
+                         "available on the legacy engine path (drop --trtllm-engine-legacy)")
     job, rules, parallel = job_from_args(args)
     check_job(job)
     gpus, source = gpus_from_args(args)

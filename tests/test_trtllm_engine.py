@@ -1,6 +1,7 @@
-"""`paradraft build --backend trtllm` without TensorRT-LLM: command assembly, the generated
-Triton repository and manifest, the clear error when the tools are missing, the GPU check
-script and the GPU Dockerfile's base image."""
+"""The LEGACY engine path, `paradraft build --backend trtllm --trtllm-engine-legacy`
+(TensorRT-LLM <= 1.2.1), without TensorRT-LLM: command assembly, the generated Triton repository
+and manifest, the clear error when the tools are missing, the GPU check script and the GPU
+Dockerfile's default stage."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from paradraft.build import trtllm
+from paradraft.build import trtllm_engine as trtllm
 from paradraft.cli.build import job_from_args
 from paradraft.runtime.backends.manifest import read_manifest
 from paradraft.runtime.correction import RuleParams
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo"
+LEGACY = ["build", "--backend", "trtllm", "--trtllm-engine-legacy"]
 
 
 # -- a minimal config.pbtxt reader (enough to check what the generator wrote) ---------------
@@ -203,16 +205,16 @@ def test_rules_and_limits_checked(tmp_path):
         trtllm.check_job(job(tmp_path, draft_type="falcon"))
 
 
-def test_llm_api_config_draft_target_and_pard(tmp_path):
-    j = job(tmp_path)
-    cfg = trtllm.llm_api_config(j)
-    assert cfg["model"] == str(DEMO / "verifier") and cfg["max_seq_len"] == 256
-    assert cfg["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 5,
-                                         "speculative_model_dir": str(DEMO / "draft")}
-    pard = trtllm.llm_api_config(j, DEMO / "parallel_draft", 2)["speculative_config"]
-    assert pard["decoding_type"] == "PARD" and pard["mask_token_id"] == 2
-    assert (cfg["tensor_parallel_size"], cfg["pipeline_parallel_size"]) == (1, 1)
-    assert trtllm.llm_api_config(job(tmp_path, tp_size=2))["tensor_parallel_size"] == 2
+def test_legacy_path_refuses_pard_and_newer_tensorrt_llm(tmp_path, stock_src, monkeypatch):
+    with pytest.raises(ValueError, match=r"--parallel-draft .*no PARD.*without "
+                                         r"--trtllm-engine-legacy"):
+        trtllm.build_trtllm(job(tmp_path), parallel_draft=DEMO / "parallel_draft",
+                            runner=fake_runner([]))
+    assert [trtllm.engine_era(v) for v in ("1.1.0", "1.2.1", "1.3.0rc21", "2.0.0")] == [
+        True, True, False, False]
+    monkeypatch.setattr(trtllm.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(trtllm, "package_versions", lambda names: {"tensorrt_llm": "1.3.0rc24"})
+    assert any("found 1.3.0rc24" in m for m in trtllm.missing_tools(job(tmp_path)))
 
 
 # -- parallel engines -------------------------------------------------------------------------
@@ -378,7 +380,6 @@ def test_tensor_parallel_build(tmp_path, stock_src):
     assert par["verifier"] == {"tp_size": 2, "pp_size": 1, "gpu_device_ids": "0,1"}
     assert par["draft"] == {"tp_size": 1, "pp_size": 1, "gpu_device_ids": "0"}
     assert par["gpus_needed"] == 2 and "2 of 2 GPU(s)" in par["gpu_check"]
-    assert m["trtllm"]["llm_api"]["tensor_parallel_size"] == 2
     target = (j.out / "triton_repo" / "tensorrt_llm" / "config.pbtxt").read_text()
     assert parameters(target)["gpu_device_ids"] == "0,1"
     script = (j.out / "serve_trtllm.sh").read_text()
@@ -396,14 +397,14 @@ def test_cli_parallel_flags(tmp_path, no_trtllm, monkeypatch, capsys):
     assert (j.tp_size, j.pp_size, j.draft_tp_size, j.world_size) == (2, 1, 1, 2)
     monkeypatch.setattr(trtllm, "DEFAULT_SRC", tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
-        main(["build", "--backend", "trtllm", "--pp-size", "2", "--out", str(tmp_path / "e")])
+        main([*LEGACY, "--pp-size", "2", "--out", str(tmp_path / "e")])
     assert e.value.code == 2 and "--pp-size 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # no nvidia-smi here: the check is skipped, and said so
-        main(["build", "--backend", "trtllm", "--tp-size", "2", "--out", str(tmp_path / "e")])
+        main([*LEGACY, "--tp-size", "2", "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err
     assert "GPU count unknown" in err and "trtllm-build" in err  # then the missing tools
     with pytest.raises(SystemExit):
-        main(["build", "--backend", "trtllm", "--tp-size", "2", "--gpus", "1",
+        main([*LEGACY, "--tp-size", "2", "--gpus", "1",
               "--out", str(tmp_path / "e")])
     assert "but --gpus gives 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -428,8 +429,6 @@ def test_missing_tools_named(tmp_path, no_trtllm):
     for needle in ["tensorrt_llm", "trtllm-build", "convert_checkpoint.py",
                    trtllm.STOCK_MODELS_DIR, trtllm.IMAGE, "PARADRAFT_TRTLLM_SRC"]:
         assert needle in msg
-    with pytest.raises(RuntimeError, match="tensorrt_llm"):
-        trtllm.speculative_config(trtllm.llm_api_config(j)["speculative_config"])
     # the build stops before writing anything
     with pytest.raises(RuntimeError, match="trtllm-build"):
         trtllm.build_trtllm(j)
@@ -447,12 +446,12 @@ def test_cli_build_trtllm_exits_2_naming_the_tools(tmp_path, no_trtllm, monkeypa
 
     monkeypatch.setattr(trtllm, "DEFAULT_SRC", tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
-        main(["build", "--backend", "trtllm", "--out", str(tmp_path / "e")])
+        main([*LEGACY, "--out", str(tmp_path / "e")])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "tensorrt_llm" in err and "trtllm-build" in err
     with pytest.raises(SystemExit):
-        main(["build", "--backend", "trtllm", "--rule", "dynamic", "--out", str(tmp_path)])
+        main([*LEGACY, "--rule", "dynamic", "--out", str(tmp_path)])
     assert "no TensorRT-LLM equivalent" in capsys.readouterr().err
 
 
@@ -615,7 +614,7 @@ def fake_runner(calls: list):
 def test_build_writes_repository_script_and_manifest(tmp_path, stock_src):
     calls: list = []
     j = job(tmp_path, use_draft_logits=True)
-    manifest = trtllm.build_trtllm(j, RuleParams("exact"), DEMO / "parallel_draft",
+    manifest = trtllm.build_trtllm(j, RuleParams("exact"),
                                    serve_root=Path("/engines/trtllm"),
                                    runner=fake_runner(calls))
     assert calls == [["convert verifier", "convert draft", "trtllm-build verifier",
@@ -634,8 +633,6 @@ def test_build_writes_repository_script_and_manifest(tmp_path, stock_src):
     assert t["image"] == trtllm.IMAGE and t["max_draft_len"] == 5 and t["use_draft_logits"]
     target_argv = t["steps"][2]["argv"]
     assert flag(target_argv, "--speculative_decoding_mode") == "draft_tokens_external"
-    assert t["llm_api"]["speculative_config"]["decoding_type"] == "PARD"
-    assert t["llm_api"]["speculative_config"]["mask_token_id"] == 2
     assert m["models"]["draft"]["config"]["vocab_size"] == m["vocab_size"]
     # the configs point where the dir will be mounted, not where it was built
     target = (j.out / "triton_repo" / "tensorrt_llm" / "config.pbtxt").read_text()
