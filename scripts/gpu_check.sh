@@ -5,7 +5,8 @@
 #   engines for the demo pair; the fused (in-engine) correction against the unfused path;
 #   bench with the efficiency column (TensorRT fused on/off, torch CUDA bf16); the backend
 #   conformance suite; a Triton serve + query + loadtest
-#   smoke on those engines; the TensorRT-LLM build when tensorrt_llm is importable.
+#   smoke on those engines; where tensorrt_llm imports, the TensorRT-LLM >= 1.3 deployment
+#   (trtllm-serve and Triton llmapi, scripts/trtllm_check.sh) or, <= 1.2.1, the legacy engines.
 # Every step runs (a failure does not stop the rest), is timed, and logs to $OUT/<step>.log;
 # one summary table at the end; the exit status is 1 when any step failed.
 # Usage: scripts/gpu_check.sh [OUT_DIR]     (default out/gpu_check)
@@ -157,11 +158,27 @@ else
     skip "loadtest" "server not ready"
 fi
 
-# 6. TensorRT-LLM engines + model repository, where TensorRT-LLM is installed
-if "$PYTHON" -c "import tensorrt_llm" >/dev/null 2>&1; then
-    step "build trtllm engines" "$PARADRAFT" build --backend trtllm --out "$OUT/engines_trtllm"
+# 6. TensorRT-LLM, where it is installed. >= 1.3 (PyTorch backend only): the LLM API deployment
+# served by trtllm-serve and by Triton's llmapi model, one streamed request each, acceptance
+# read from the response (scripts/trtllm_check.sh; alone: scripts/trtllm_check.sh serve DIR).
+# <= 1.2.1: the legacy engine build.
+TRTLLM_VERSION=$("$PYTHON" -c "import tensorrt_llm; print(tensorrt_llm.__version__)" 2>/dev/null \
+    | tail -1)
+if [ -z "$TRTLLM_VERSION" ]; then
+    skip "trtllm-serve (LLM API)" "tensorrt_llm not importable"
+    skip "triton llmapi (gRPC)" "tensorrt_llm not importable"
+elif "$PYTHON" -c "import sys; from paradraft.build.trtllm_engine import engine_era
+sys.exit(engine_era(sys.argv[1]))" "$TRTLLM_VERSION"; then
+    step "trtllm-serve (LLM API)" scripts/trtllm_check.sh serve "$OUT/trtllm"
+    TRITON_MISSING=$(scripts/trtllm_check.sh triton-missing)
+    if [ -z "$TRITON_MISSING" ]; then
+        step "triton llmapi (gRPC)" scripts/trtllm_check.sh triton "$OUT/trtllm"
+    else
+        skip "triton llmapi (gRPC)" "$TRITON_MISSING"
+    fi
 else
-    skip "build trtllm engines" "tensorrt_llm not importable"
+    step "build trtllm engines (legacy)" "$PARADRAFT" build --backend trtllm \
+        --trtllm-engine-legacy --out "$OUT/engines_trtllm"
 fi
 
 echo
