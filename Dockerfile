@@ -1,12 +1,50 @@
-# GPU image: Triton Inference Server + TensorRT-LLM from NGC, with paradraft on top.
+# Two GPU images. The default (last) stage: Triton Inference Server + TensorRT-LLM 1.1.0 from NGC,
+# for paradraft's own runtime (TensorRT plans) and the LEGACY TensorRT-LLM engine path
+# (`build --backend trtllm --trtllm-engine-legacy`, TensorRT-LLM <= 1.2.1).
+# The `trtllm` stage (`docker build --target trtllm -t paradraft-trtllm .`): TensorRT-LLM >= 1.3
+# (PyTorch backend only) for `build --backend trtllm`: trtllm-serve with the generated YAML, or
+# Triton's llmapi model. BuildKit builds only the stage asked for.
+FROM nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc24 AS trtllm
+# The llmapi Triton model (model.py, helpers.py) of the same release, for the generated
+# triton_repo (build/trtllm.py copies them from PARADRAFT_TRTLLM_SRC)
+ARG TRTLLM_LLMAPI_REF=v1.3.0rc24
+RUN (command -v git >/dev/null || (apt-get update && apt-get install -y --no-install-recommends git \
+        && rm -rf /var/lib/apt/lists/*)) \
+    && git clone --depth 1 --branch "${TRTLLM_LLMAPI_REF}" --filter=blob:none --sparse \
+        https://github.com/NVIDIA/TensorRT-LLM.git /opt/tensorrt_llm_src \
+    && git -C /opt/tensorrt_llm_src sparse-checkout set triton_backend/all_models/llmapi
+WORKDIR /opt/paradraft
+COPY pyproject.toml README.md ./
+COPY paradraft paradraft
+COPY build build
+COPY runtime runtime
+COPY triton_repo triton_repo
+COPY models/demo models/demo
+COPY scripts scripts
+COPY tests tests
+# as in the default stage: our dependencies constrained to the image's versions, nothing replaced
+RUN python3 -m venv --system-site-packages /opt/venv \
+    && /opt/venv/bin/pip list --format=freeze > image-constraints.txt \
+    && /opt/venv/bin/python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(re.sub(r'[=<>!~;].*', '', d) for d in deps))" > deps.txt \
+    && /opt/venv/bin/pip install --no-cache-dir -c image-constraints.txt -r deps.txt \
+    && /opt/venv/bin/pip install --no-cache-dir --no-deps -e . \
+    && /opt/venv/bin/pip freeze > image-freeze.txt
+ENV PATH=/opt/venv/bin:${PATH} \
+    PARADRAFT_TRTLLM_SRC=/opt/tensorrt_llm_src
+# trtllm-serve's OpenAI API on 8000 (Triton llmapi: 8000 HTTP, 8001 gRPC, 8002 metrics).
+# Serve a deployment built into /engines (`paradraft build --backend trtllm --out /engines`)
+CMD ["bash", "/engines/serve_trtllm.sh"]
+
+# The default stage. GPU image: Triton Inference Server + TensorRT-LLM from NGC, with paradraft
+# on top.
 # 25.12 is the newest tag NVIDIA's Triton compatibility matrix lists with its versions:
 # TensorRT 10.13.3.9, TensorRT-LLM 1.1.0, torch 2.9.0a0 (NVIDIA build), Python 3.12.3, CUDA 13.0
 # (driver >= 580, or a data-center compatibility driver). Engines built in this image only run
 # with this image's TensorRT / TensorRT-LLM: build them inside it (docs/gpu.md).
 # The CPU image of the runtime is Dockerfile.cpu.
-FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3
+FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 AS default
 
-# TensorRT-LLM's convert_checkpoint.py scripts and its Triton model templates
+# LEGACY engine path: TensorRT-LLM's convert_checkpoint.py scripts and its Triton model templates
 # (triton_backend/all_models/inflight_batcher_llm) are not in the image; take them from the
 # release the image carries, so the stock model.py files match its backend.
 ARG TRTLLM_REF=v1.1.0
@@ -54,5 +92,6 @@ EXPOSE 8000 8001 8002 9000
 # `paradraft serve` drains on SIGTERM (--drain-seconds); Kubernetes and `docker stop` send it
 STOPSIGNAL SIGTERM
 # Serve an engine dir mounted at /engines (`paradraft build --out /engines ...`). The
-# TensorRT-LLM deployment (`--backend trtllm`) is served by its generated serve_trtllm.sh.
+# legacy TensorRT-LLM deployment (`--trtllm-engine-legacy`) is served by its serve_trtllm.sh;
+# the >= 1.3 one from the `trtllm` stage.
 CMD ["paradraft", "serve", "--engines", "/engines", "--host", "0.0.0.0"]

@@ -761,9 +761,13 @@ def test_gpu_check_script_is_valid_bash():
 
 def test_dockerfile_base_is_a_pinned_trtllm_tritonserver_tag():
     text = (ROOT / "Dockerfile").read_text()
-    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
-    assert len(froms) == 1
-    image = froms[0]
+    froms = re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M)
+    assert [stage for _, stage in froms] == ["trtllm", "default"]  # default: the last stage
+    from paradraft.build import trtllm as llmapi
+
+    assert froms[0][0] == llmapi.IMAGE  # TensorRT-LLM >= 1.3 for `build --backend trtllm`
+    assert f"ARG TRTLLM_LLMAPI_REF={llmapi.TRTLLM_REF}" in text
+    image = froms[1][0]  # the legacy engine path's image
     m = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d{2})\.(\d{2})-trtllm-python-py3", image)
     assert m, f"{image} is not a pinned nvcr.io tritonserver trtllm tag"
     assert "latest" not in image
