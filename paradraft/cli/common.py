@@ -18,8 +18,15 @@ from paradraft.runtime.checkpoints import (
 )
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
+from paradraft.runtime.gguf import resolve_checkpoint
 from paradraft.runtime.model import Transformer
 from paradraft.runtime.tools.calibrate import Calibration
+
+
+def checkpoint(text: str) -> str:
+    """A checkpoint argument: an HF-format dir as it is, a .gguf file as its imported dir
+    (imported once into the cache, ``paradraft.runtime.gguf``)."""
+    return str(resolve_checkpoint(text))
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
@@ -130,9 +137,9 @@ def int_list(text: str, name: str, low: int, high: int) -> list[int]:
 
 
 def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
-    p.add_argument("--draft", default=str(DEMO_DIR / "draft"))
-    p.add_argument("--parallel-draft", default=str(DEMO_DIR / "parallel_draft"))
+    p.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"))
+    p.add_argument("--draft", type=checkpoint, default=str(DEMO_DIR / "draft"))
+    p.add_argument("--parallel-draft", type=checkpoint, default=str(DEMO_DIR / "parallel_draft"))
     p.add_argument("--self-draft-layers", type=int, default=None)
     p.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts per variant")

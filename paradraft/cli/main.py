@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, build, demo, evaluate, generate, loadtest, query, serve
+from . import bench, build, demo, distill, evaluate, generate, import_gguf, loadtest, query, serve
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="paradraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, bench, build, evaluate, serve, demo, loadtest, query):
+    for command in (generate, bench, build, import_gguf, evaluate, serve, demo, loadtest,
+                    query, distill):
         command.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -13,6 +13,8 @@ import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ..drafters import DRAFTERS
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -76,3 +78,27 @@ def read_manifest(engine_dir: str | Path, verify: bool = True) -> dict:
                 raise ValueError(f"{what} {f} does not match its sha256 in {path} "
                                  "(rebuild the engines)")
     return manifest
+
+
+def engine_drafter(manifest: dict, engine_dir: str | Path, asked: str | None) -> str:
+    """The drafter to run from an engine dir: ``asked``, refused (naming the drafters the dir
+    has) when the dir was not built with it; unset, the dir's first in ``DRAFTERS`` order
+    (a separate draft model before a parallel one before the self-draft). Called before
+    anything starts, so a server never dies on a drafter its engines lack."""
+    built = [d for d in DRAFTERS if d in manifest["drafters"]]
+    if asked is None:
+        if not built:
+            raise ValueError(f"{engine_dir} has no drafter: pass --no-speculation")
+        return built[0]
+    if asked not in built:
+        raise ValueError(f"drafter {asked!r} was not built into {engine_dir}; it has: "
+                         f"{', '.join(built) or 'none'} (rebuild with `paradraft build` and "
+                         "the draft's flag, or choose one of those)")
+    return asked
+
+
+def graph_precisions(manifest: dict) -> dict[str, str]:
+    """{model: the weights precision of its step graph} ("float32", "float16", "int8",
+    "int4"; ONNX engine dirs record one per graph), e.g. for reports next to the figures."""
+    return {name: m["graphs"].get("logits", {}).get("precision", manifest.get("dtype", "?"))
+            for name, m in manifest["models"].items()}
