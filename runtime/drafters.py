@@ -4,6 +4,9 @@
 - ``ParallelDrafter``: one pass over [newest, mask × (K−1)] proposes all K tokens (PARD).
 - ``SelfDrafter``: the verifier's first ``num_layers`` layers + final norm + LM head; it
   shares the verifier's cache for those layers (the verify pass writes identical K/V there).
+- ``NgramDrafter``: model-free prompt lookup (``lookup``, not ``propose``): the tokens that
+  followed an earlier occurrence of the row's last n tokens. It drafts only where it finds
+  one, so a row may draft fewer than K tokens, or none.
 
 ``propose`` returns the K draft tokens per row and, for sampled drafts, the distributions
 they were drawn from (the ``q`` of Leviathan et al. speculative sampling; None when greedy).
@@ -20,7 +23,9 @@ from torch import Tensor
 from .correction import STREAM_DRAFT, RowStreams, RuleParams, sample, sampling_probs
 from .model import KVCache, Transformer
 
-DRAFTERS = ("model", "parallel", "self")
+DRAFTERS = ("model", "parallel", "self", "ngram")
+MODEL_FREE_DRAFTERS = ("ngram",)  # need no model: an engine dir needs no graph for them
+NGRAM_LIMIT = 16  # the longest suffix the lookup matches (ngram_max's upper end)
 
 
 def choose_drafts(logits: Tensor, sampling: RuleParams | None, streams: RowStreams | None,
@@ -136,21 +141,98 @@ class SelfDrafter:
                                      kv_len, rows, sampling, streams, self.num_layers)
 
 
-AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter
+@dataclass
+class NgramDrafter:
+    """Prompt lookup (model-free): match the longest suffix of the row, ``ngram_min`` to
+    ``ngram_max`` tokens, against the row's earlier tokens (the prompt and the output so far)
+    and draft the up to K tokens that followed the match.
+
+    Of several occurrences of the longest matching suffix it takes the most recent. HF prompt
+    lookup and TensorRT-LLM's default (``is_use_oldest``) take the earliest, which is most
+    often in the prompt's fixed preamble (a chat template, a system message, the task's
+    instructions) for the short, common n-grams a lookup matches. The most recent one sits
+    in the text being copied right now: when an answer copies its input (a rewrite, a code
+    fix), the latest occurrence of the suffix is in the stretch being copied or in the
+    answer's own copy of it; when a small model repeats itself, it is the last repetition.
+    The lookup also compares at most ``ngram_max`` tokens per candidate, so its cost does not
+    depend on which occurrence wins.
+
+    Its drafts are deterministic: the ``q`` of speculative sampling is one-hot on them (the
+    correction's ``draft_probs=None``), which keeps the ``exact`` rule lossless."""
+
+    kind: ClassVar[str] = "ngram"
+    model: ClassVar[None] = None  # model-free: no weights, no cache, no prefill
+    num_layers: ClassVar[None] = None
+    shares_verifier_cache: ClassVar[bool] = False
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        for name, low in (("ngram_min", 1), ("ngram_max", self.ngram_min)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not (
+                    low <= value <= NGRAM_LIMIT):
+                raise ValueError(f"{name} must be an integer in [{low}, {NGRAM_LIMIT}]"
+                                 f"{' (>= ngram_min)' if name == 'ngram_max' else ''}; "
+                                 f"got {value!r}")
+
+    def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int
+               ) -> tuple[Tensor, Tensor]:
+        """Drafts [B, k] and how many of each row's are real, [B] in [0, k] (0: no match).
+
+        ``tokens`` [B, T]: row b's tokens, its newest at ``lengths[b]`` (positions past it are
+        stale); ``history`` > max(lengths): the columns that can hold a row's tokens. Every
+        end position e < lengths[b] of an earlier occurrence is scored at once: the length
+        of the match ending there (up to ``ngram_max`` compares), then recency."""
+        dev = tokens.device
+        ends = torch.arange(history - 1, device=dev)  # e: where an earlier occurrence ends
+        back = torch.arange(self.ngram_max, device=dev)
+        starts = ends - back[:, None]  # [n_max, E]: e - i, the i-th token back from e
+        earlier = tokens[:, starts.clamp(min=0)]  # [B, n_max, E]
+        suffix = tokens.gather(1, (lengths[:, None] - back).clamp(min=0))  # [B, n_max]
+        same = (earlier == suffix[:, :, None]) & (starts >= 0)
+        run = same.int().cumprod(1).sum(1)  # [B, E]: length of the match ending at e
+        run = run * (ends < lengths[:, None])  # only before the newest token
+        # what followed it, up to the newest token: the longest match, then the one with the
+        # most of K to follow (in a loop of period p < K the latest match has p), then the
+        # most recent; below ngram_min: none
+        follows = (lengths[:, None] - ends).clamp(max=k)
+        score = torch.where(run >= self.ngram_min, (run * (k + 1) + follows) * history + ends, -1)
+        best = score.argmax(1)
+        found = score.gather(1, best[:, None])[:, 0] >= 0
+        counts = torch.where(found, (lengths - best).clamp(max=k), 0)
+        follow = (best[:, None] + 1 + torch.arange(k, device=dev)).clamp(max=lengths[:, None])
+        return tokens.gather(1, follow), counts
 
 
-def Drafter(kind: str, model: Transformer, num_layers: int | None = None,
-            mask_token_id: int | None = None) -> AnyDrafter:
-    """The drafter of ``kind`` (the CLI's ``--drafter`` names) over ``model``."""
+AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter
+
+
+def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None = None,
+            mask_token_id: int | None = None, ngram_min: int | None = None,
+            ngram_max: int | None = None) -> AnyDrafter:
+    """The drafter of ``kind`` (the CLI's ``--drafter`` names) over ``model`` (none for the
+    model-free ``ngram``)."""
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {kind!r}")
     if num_layers is not None and kind != "self":
         raise ValueError(f"num_layers is for the self drafter only; got {num_layers} for {kind!r}")
     if mask_token_id is not None and kind != "parallel":
         raise ValueError(f"mask_token_id is for the parallel drafter only; got {mask_token_id} "
                          f"for {kind!r}")
+    sizes = {name: v for name, v in (("ngram_min", ngram_min), ("ngram_max", ngram_max))
+             if v is not None}
+    if kind == "ngram":
+        if model is not None:
+            raise ValueError("the ngram drafter is model-free: pass no model")
+        return NgramDrafter(**sizes)
+    if sizes:
+        raise ValueError(f"{next(iter(sizes))} is for the ngram drafter only; got "
+                         f"{next(iter(sizes.values()))} for {kind!r}")
+    if model is None:
+        raise ValueError(f"the {kind!r} drafter needs a model")
     if kind == "model":
         return ModelDrafter(model)
     if kind == "parallel":
         return ParallelDrafter(model, mask_token_id)
-    if kind == "self":
-        return SelfDrafter(model, num_layers)
-    raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {kind!r}")
+    return SelfDrafter(model, num_layers)

@@ -101,7 +101,12 @@ class SpeculativeDecoder:
             check_k(k)
             if drafter.kind == "parallel" and k > MAX_K // 2:
                 raise ValueError(f"k must be <= {MAX_K // 2} for the parallel drafter; got {k}")
-            if drafter.model.config.vocab_size != verifier.config.vocab_size:
+            if draft_len_schedule == "auto" and drafter.model is None:
+                raise ValueError("draft_len_schedule 'auto' times rounds that draft K tokens; "
+                                 f"the {drafter.kind} drafter drafts only where its lookup "
+                                 "matches: use a fixed schedule")
+            if drafter.model is not None and (
+                    drafter.model.config.vocab_size != verifier.config.vocab_size):
                 raise ValueError(
                     f"draft vocab_size {drafter.model.config.vocab_size} != verifier vocab_size "
                     f"{verifier.config.vocab_size}: load the draft with "
@@ -139,7 +144,8 @@ class SpeculativeDecoder:
         size = max_seq_len + self.margin
         self.cache = new_kv_cache(verifier.config, max_batch_size, size, dtype, device)
         self.draft_cache: KVCache | None = None
-        if drafter is not None and not drafter.shares_verifier_cache:
+        if drafter is not None and drafter.model is not None and (
+                not drafter.shares_verifier_cache):
             self.draft_cache = new_kv_cache(
                 drafter.model.config, max_batch_size, size, drafter.model.dtype, device
             )
@@ -169,17 +175,25 @@ class SpeculativeDecoder:
         # attend over the live part of the cache only (host-side bound: no sync needed)
         bound = max(self.host_lengths[s] for s in slots) + 2 * self.k + 2
         # 1. draft
-        draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound, streams,
-                                                      cache_rows)
+        found = None
+        if k and self.drafter.model is None:  # a lookup: drafts only where it matches
+            draft_tokens, draft_probs, found, drafted = self._lookup_round(slots, tokens,
+                                                                           lengths, k, rows)
+        else:
+            draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound,
+                                                          streams, cache_rows)
         t1 = time.perf_counter()
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
         width = draft_tokens.shape[1]
         verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
         pos = lengths[:, None] + self.offsets[: width + 1]
-        # the drafts each row may keep: its own K, known on the host (None: every row keeps
-        # all ``width``, so there is no mask to apply)
-        drafted = [min(self.host_k[s], width) for s in slots]
-        num_drafted = None if min(drafted) == width else self.k_rows[rows].clamp(max=width)
+        # the drafts each row may keep: its own K (or what its lookup found), known on the
+        # host (None: every row keeps all ``width``, so there is no mask to apply)
+        if found is None:
+            drafted = [min(self.host_k[s], width) for s in slots]
+            num_drafted = None if min(drafted) == width else self.k_rows[rows].clamp(max=width)
+        else:
+            num_drafted = None if min(drafted) == width else found
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
         leaked_rows = None
@@ -201,7 +215,7 @@ class SpeculativeDecoder:
                 leaked_rows = leaked.any(1)
                 num_drafted = torch.minimum(
                     torch.where(leaked_rows, leaked.int().argmax(1), width),
-                    self.k_rows[rows].clamp(max=width))
+                    self.k_rows[rows].clamp(max=width) if found is None else found)
             num_accepted, next_token = correct_for(dev)(
                 logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
         # 4. roll back: accepted drafts, then the rule's token at index num_accepted; the new
@@ -221,8 +235,14 @@ class SpeculativeDecoder:
             columns += [num_drafted[:, None], leaked_rows[:, None].long()]
         if self.adaptive_k:
             k_rows = self.k_rows[rows]
-            # a request that asked for no drafts keeps K = 0
-            k_rows = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
+            if found is None:
+                # a request that asked for no drafts keeps K = 0
+                k_rows = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
+            else:
+                # a lookup block is full when all it found passed; a row that found nothing
+                # (or asked for no drafts) keeps its K
+                full = torch.where(num_accepted == found, k_rows, num_accepted)
+                k_rows = torch.where(found > 0, adapt_k(k_rows, full, self.k), k_rows)
             self.k_rows[rows] = k_rows
             columns.append(k_rows[:, None])
         host = torch.cat([*columns, emitted], 1).tolist()
@@ -336,6 +356,19 @@ class SpeculativeDecoder:
         if self.draft_len_schedule == "auto":
             self.monitor.relax(0.97)
         return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
+
+    def _lookup_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
+                      rows: Tensor) -> tuple[Tensor, None, Tensor, list[int]]:
+        """A model-free drafter's round: drafts [B, width], no q (they are deterministic),
+        and per row the drafts it found (<= its own K) on the device and on the host. The
+        width is the most any row found: 0 when no row matched, and the round is a plain
+        step (a verify pass over the newest token alone). That choice is the host's, so the
+        found counts come over in a transfer of their own (B integers)."""
+        history = max(self.host_lengths[s] for s in slots) + 1
+        drafts, found = self.drafter.lookup(tokens, lengths, k, history)
+        found = torch.minimum(found, self.k_rows[rows])
+        drafted = found.tolist()
+        return drafts[:, : max(drafted)], None, found, drafted
 
     def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int,
                streams: RowStreams | None,

@@ -45,7 +45,10 @@ def test_each_drafter_is_built_only_from_what_it_uses(verifier, draft):
         Drafter("model", draft, num_layers=1)  # it would have cut the draft model short
     with pytest.raises(ValueError, match="mask_token_id is for the parallel drafter only"):
         Drafter("model", draft, mask_token_id=3)
-    with pytest.raises(ValueError, match="drafter must be one of model, parallel, self"):
-        Drafter("ngram", draft)
+    with pytest.raises(ValueError, match="drafter must be one of model, parallel, self, ngram"):
+        Drafter("medusa", draft)
+    with pytest.raises(ValueError, match="the 'model' drafter needs a model"):
+        Drafter("model")
+    assert Drafter("ngram").model is None  # model-free: no weights, no cache
     with pytest.raises(ValueError, match=r"self_draft_layers must be in \[1, 2\]"):
         Drafter("self", verifier, num_layers=3)

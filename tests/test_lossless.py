@@ -148,12 +148,14 @@ def test_exact_speculative_decoding_matches_the_verifier_joint_distribution(mode
 
 
 def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, seeds: int = 12,
+                              prompt: list[int] | None = None,
                               **decoder_kwargs) -> SpeculativeDecoder:
     """End to end through the decoder: the first two generated tokens of a fixed prompt,
     sampled with exact speculation, follow the verifier's joint distribution (chi-square).
     ``decoder_kwargs``: more SpeculativeDecoder options; returns the decoder (for its stats)."""
     params = RuleParams("exact", temperature=1.0)
-    prompt = [5, 9, 14]
+    prompt = prompt or [5, 9, 14]
+    n = len(prompt)
     dec = SpeculativeDecoder(verifier, drafter, params, k=3, max_batch_size=rows,
                              **decoder_kwargs)
     pairs = []
@@ -164,13 +166,13 @@ def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, se
     # the target, computed directly from the verifier
     dev, dtype = verifier.device, verifier.dtype
     with torch.no_grad():
-        cache = new_kv_cache(verifier.config, 1, 16, dtype, dev)
-        first, _ = verifier(torch.tensor([prompt], device=dev), torch.arange(3, device=dev)[None],
+        cache = new_kv_cache(verifier.config, 1, n + 13, dtype, dev)
+        first, _ = verifier(torch.tensor([prompt], device=dev), torch.arange(n, device=dev)[None],
                             cache)
         p1 = torch.softmax(first[0, -1], -1)
-        cache = new_kv_cache(verifier.config, vocab, 16, dtype, dev)
+        cache = new_kv_cache(verifier.config, vocab, n + 13, dtype, dev)
         ctx = torch.tensor([[*prompt, t] for t in range(vocab)], device=dev)
-        second, _ = verifier(ctx, torch.arange(4, device=dev).expand(vocab, -1), cache)
+        second, _ = verifier(ctx, torch.arange(n + 1, device=dev).expand(vocab, -1), cache)
         p2 = torch.softmax(second[:, -1], -1)
     joint = (p1[:, None] * p2).flatten().cpu()
     counts = torch.bincount(samples, minlength=joint.numel()).double()

@@ -1,5 +1,7 @@
 """Load an engine dir (``paradraft build``) from its manifest alone: the verifier engine and
-the drafters it was built with. The CLI and the Triton model both start here."""
+the drafters it was built with, and the model-free ``ngram`` drafter, which every engine dir
+has (it needs nothing but the verifier's verify pass). The CLI and the Triton model both
+start here."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def model_config(engine_dir: Path, name: str, config: dict) -> ModelConfig:
 
 def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
-    draft_threads: int | None = 1,
+    draft_threads: int | None = 1, ngram_min: int | None = None, ngram_max: int | None = None,
 ) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
@@ -32,7 +34,8 @@ def load_engines(
     ``threads``: ONNX Runtime intra-op threads of the verifier (default: torch's);
     ``draft_threads``: of every drafting graph (None: ``threads``). One by default: a draft
     call is a few hundred tiny nodes, and waking a second (non-spinning) worker for them
-    costs more than it saves (docs/results.md)."""
+    costs more than it saves (docs/results.md). ``ngram_min`` / ``ngram_max``: the ngram
+    drafter's suffix lengths (default: NgramDrafter's)."""
     if draft_threads is not None and (not isinstance(draft_threads, int)
                                       or isinstance(draft_threads, bool) or draft_threads < 1):
         raise ValueError(f"draft_threads must be an integer >= 1 or None; got {draft_threads!r}")
@@ -74,5 +77,6 @@ def load_engines(
         else:
             # a separate draft engine only drafts
             drafters[kind] = Drafter(kind, engine(name, draft_threads or threads))
+    drafters["ngram"] = Drafter("ngram", ngram_min=ngram_min, ngram_max=ngram_max)
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest

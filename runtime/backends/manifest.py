@@ -13,7 +13,7 @@ import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..drafters import DRAFTERS
+from ..drafters import DRAFTERS, MODEL_FREE_DRAFTERS
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -85,6 +85,8 @@ def engine_drafter(manifest: dict, engine_dir: str | Path, asked: str | None) ->
     has) when the dir was not built with it; unset, the dir's first in ``DRAFTERS`` order
     (a separate draft model before a parallel one before the self-draft). Called before
     anything starts, so a server never dies on a drafter its engines lack."""
+    if asked in MODEL_FREE_DRAFTERS:  # needs no graph: every engine dir has it
+        return asked
     built = [d for d in DRAFTERS if d in manifest["drafters"]]
     if asked is None:
         if not built:
@@ -93,7 +95,8 @@ def engine_drafter(manifest: dict, engine_dir: str | Path, asked: str | None) ->
     if asked not in built:
         raise ValueError(f"drafter {asked!r} was not built into {engine_dir}; it has: "
                          f"{', '.join(built) or 'none'} (rebuild with `paradraft build` and "
-                         "the draft's flag, or choose one of those)")
+                         "the draft's flag, or choose one of those, or the model-free "
+                         f"{', '.join(MODEL_FREE_DRAFTERS)})")
     return asked
 
 

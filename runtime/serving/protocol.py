@@ -19,7 +19,7 @@ from ..backends.loader import load_engines
 from ..backends.trt import check_limits
 from ..checkpoints import DTYPES, load_draft, resolve_dtype
 from ..correction import RULES, RuleParams, check_range
-from ..drafters import DRAFTERS, Drafter
+from ..drafters import DRAFTERS, Drafter, NgramDrafter
 from ..k_policy import check_draft_len_schedule
 from ..model import load_model
 from ..scheduler import Scheduler
@@ -35,7 +35,10 @@ class ServeConfig:
 
     verifier: str
     draft: str | None
-    drafter: str = "model"  # model | parallel | self
+    drafter: str = "model"  # model | parallel | self | ngram
+    # the ngram drafter's suffix lengths (prompt lookup; vLLM's prompt_lookup_min / _max)
+    ngram_min: int = NgramDrafter.ngram_min
+    ngram_max: int = NgramDrafter.ngram_max
     engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
     k: int = 4
     max_slots: int = 16
@@ -116,6 +119,12 @@ class ServeConfig:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
                              f"got {self.drafter!r}")
+        if self.drafter == "ngram":
+            NgramDrafter(self.ngram_min, self.ngram_max)  # the sizes, validated by name
+        elif (self.ngram_min, self.ngram_max) != (NgramDrafter.ngram_min,
+                                                  NgramDrafter.ngram_max):
+            raise ValueError(f"ngram_min / ngram_max are for the ngram drafter only; the "
+                             f"drafter is {self.drafter!r}")
         check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
         for rule in self.calibrated:  # each rule's calibrated values, validated
@@ -155,8 +164,9 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
     if device.startswith("cuda"):  # TensorRT engines bind the current CUDA device
         torch.cuda.set_device(device)
     if config.engines:
-        verifier, drafters, _, manifest = load_engines(config.engines,
-                                                       draft_threads=config.draft_threads)
+        verifier, drafters, _, manifest = load_engines(
+            config.engines, draft_threads=config.draft_threads, ngram_min=config.ngram_min,
+            ngram_max=config.ngram_max)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
@@ -165,6 +175,8 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         verifier = load_model(config.verifier, dtype=dtype, device=device)
         if config.drafter == "self":
             drafter = Drafter("self", verifier)
+        elif config.drafter == "ngram":
+            drafter = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max)
         else:
             drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
                                                          verifier.config.vocab_size,

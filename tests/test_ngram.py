@@ -1,0 +1,223 @@
+"""The ngram drafter (prompt lookup): what it finds, that a round without a match is a plain
+step, and that decoding with it stays lossless (greedy: token for token; exact: the
+verifier's distribution), on torch and on ONNX engines, alone and served."""
+
+import threading
+
+import pytest
+import torch
+from conftest import VOCAB
+from scipy.stats import chisquare
+from test_lossless import assert_joint_distribution
+
+from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.correction import Randoms, RuleParams, correct, sampling_probs
+from paradraft.runtime.drafters import NGRAM_LIMIT, Drafter, NgramDrafter
+from paradraft.runtime.metrics import aggregate
+from paradraft.runtime.model import load_model
+from paradraft.runtime.scheduler import Request
+from paradraft.runtime.serving.protocol import ServeConfig, build_scheduler
+from paradraft.runtime.speculative import SpeculativeDecoder
+
+NEW_TOKENS = 40
+# rows of different lengths: a loop, a copy of an earlier stretch, and tokens that never repeat
+PROMPTS = [[5, 6, 7, 8] * 4, [11, 12, 13, 14, 15, 16, 17, 18, 19, 11, 12, 13], [21, 22, 23],
+           [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [44, 45, 44, 45, 44]]
+
+
+def reference_lookup(row: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The lookup, one row in plain Python: the longest suffix (n_min..n_max tokens) that
+    occurred before; of its occurrences the one with the most of K tokens after it up to the
+    newest, then the latest; the tokens after it."""
+    newest = len(row) - 1
+    for n in range(min(n_max, newest), n_min - 1, -1):
+        ends = [e for e in range(n - 1, newest) if row[e - n + 1: e + 1] == row[-n:]]
+        if ends:
+            best = max(ends, key=lambda e: (min(k, newest - e), e))
+            return row[best + 1: best + 1 + min(k, newest - best)]
+    return []
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (1, 3), (2, 4), (3, 3)])
+def test_lookup_finds_what_the_reference_finds(n_min, n_max):
+    g = torch.Generator().manual_seed(n_min * 10 + n_max)
+    drafter = NgramDrafter(n_min, n_max)
+    B, T, k = 64, 40, 5
+    tokens = torch.randint(0, 3, (B, T), generator=g)  # 3 symbols: matches are common
+    lengths = torch.randint(0, 30, (B,), generator=g)
+    history = int(lengths.max()) + 1
+    drafts, counts = drafter.lookup(tokens, lengths, k, history)
+    assert drafts.shape == (B, k)
+    seen = set()
+    for b in range(B):
+        row = tokens[b, : lengths[b] + 1].tolist()  # what is past the newest token is stale
+        want = reference_lookup(row, k, n_min, n_max)
+        assert counts[b] == len(want)
+        assert drafts[b, : len(want)].tolist() == want
+        seen.add(len(want))
+    assert 0 in seen and k in seen and len(seen) > 2  # no match, full and partial drafts
+
+
+def test_lookup_prefers_the_longest_match_then_a_full_block_then_the_latest():
+    d = NgramDrafter(1, 3)
+    tokens = torch.tensor([
+        [1, 2, 9, 1, 2, 8, 2, 5, 1, 2, 0, 0],  # "1 2" (twice) beats "2" (thrice): the latest
+        [4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0],  # a loop: the match with K tokens after it
+        [7, 3, 6, 3, 0, 0, 0, 0, 0, 0, 0, 0],  # "3" after "7 3": its one token up to newest
+    ])
+    drafts, counts = d.lookup(tokens, torch.tensor([9, 5, 3]), 3, 10)
+    assert counts.tolist() == [3, 3, 2]
+    assert drafts[0].tolist() == [8, 2, 5]
+    assert drafts[1].tolist() == [4, 4, 4]
+    assert drafts[2, :2].tolist() == [6, 3]
+
+
+def test_ngram_sizes_and_models_are_validated_by_name(verifier):
+    assert Drafter("ngram").kind == "ngram" and Drafter("ngram").model is None
+    assert (Drafter("ngram", ngram_min=1, ngram_max=NGRAM_LIMIT).ngram_max == NGRAM_LIMIT)
+    with pytest.raises(ValueError, match=r"ngram_min must be an integer in \[1, 16\]; got 0"):
+        Drafter("ngram", ngram_min=0)
+    with pytest.raises(ValueError, match=r"ngram_max must be an integer in \[3, 16\]"):
+        Drafter("ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="ngram_max must be an integer in"):
+        Drafter("ngram", ngram_max=17)
+    with pytest.raises(ValueError, match="the ngram drafter is model-free"):
+        Drafter("ngram", verifier)
+    with pytest.raises(ValueError, match="ngram_min is for the ngram drafter only"):
+        Drafter("model", verifier, ngram_min=2)
+    with pytest.raises(ValueError, match="draft_len_schedule 'auto'"):
+        SpeculativeDecoder(verifier, Drafter("ngram"), draft_len_schedule="auto")
+    with pytest.raises(ValueError, match="ngram_max must be an integer in"):
+        ServeConfig("v", None, drafter="ngram", ngram_max=40)
+    with pytest.raises(ValueError, match="ngram_min / ngram_max are for the ngram drafter"):
+        ServeConfig("v", "d", drafter="model", ngram_min=1)
+
+
+def plain(verifier, prompts, new_tokens=NEW_TOKENS):
+    dec = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=len(prompts))
+    return dec.generate(prompts, new_tokens).token_ids
+
+
+def assert_lossless_with_mixed_rows(verifier, drafter, k, **kwargs):
+    want = plain(verifier, PROMPTS)
+    dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=k,
+                             max_batch_size=len(PROMPTS), **kwargs)
+    result = dec.generate(PROMPTS, NEW_TOKENS)
+    assert result.token_ids == want
+    rows = result.row_stats
+    # every row ran rounds without a match; some rows found drafts, and those were partly
+    # accepted (the lookup guesses right and wrong); some rows drafted fewer than K tokens
+    assert all(s.num_drafts < s.verify_steps for s in rows)
+    assert any(s.num_drafts > 0 for s in rows)
+    total = result.stats
+    assert 0 < total.accepted_tokens < total.draft_tokens
+    if k > 1:
+        assert total.drafted_per_position[-1] < total.drafted_per_position[0]
+    return result
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_ngram_equals_plain_decoding(verifier, k):
+    assert_lossless_with_mixed_rows(verifier, Drafter("ngram", ngram_min=1, ngram_max=3), k)
+
+
+def test_adaptive_k_and_per_request_k_with_ngram_stay_lossless(verifier):
+    result = assert_lossless_with_mixed_rows(verifier, Drafter("ngram", ngram_min=1), 5,
+                                             adaptive_k=True)
+    assert result.stats.draft_tokens > 0
+    # a request with num_draft_tokens 0 beside ones with K: only they draft
+    dec = SpeculativeDecoder(verifier, Drafter("ngram", ngram_min=1), RuleParams("greedy"),
+                             k=4, max_batch_size=2)
+    dec.reset()
+    prompts = [PROMPTS[0], PROMPTS[0]]
+    new, running = dec.prefill([0, 1], prompts, [20, 20], [None, None], [0, 1], [0, 4])
+    out = [list(t) for t in new]
+    while any(running):
+        slots = [s for s, r in zip([0, 1], running, strict=True) if r]
+        new, alive = dec.step(slots)
+        for s, t, a in zip(slots, new, alive, strict=True):
+            out[s] += t
+            running[s] = a
+    assert out[0] == out[1] == plain(verifier, prompts[:1], 20)[0]
+    assert dec.slot_stats(0).draft_tokens == 0 < dec.slot_stats(1).draft_tokens
+
+
+def test_a_round_where_no_row_matches_is_a_plain_step(verifier):
+    widths: list[int] = []
+    hook = verifier.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
+    try:
+        never = Drafter("ngram", ngram_min=NGRAM_LIMIT, ngram_max=NGRAM_LIMIT)  # no repeats
+        dec = SpeculativeDecoder(verifier, never, RuleParams("greedy"), k=4, max_batch_size=3)
+        result = dec.generate(PROMPTS[1:4], 12)
+    finally:
+        hook.remove()
+    assert result.token_ids == plain(verifier, PROMPTS[1:4], 12)
+    assert widths[1:] == [1] * 11  # after the prefill: one position per round, as plain
+    assert result.stats.draft_tokens == 0 and result.stats.verify_steps == 3 * 11
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_greedy_with_ngram_on_onnx_engines_equals_plain_decoding(pair_engines, fused):
+    verifier, drafters, _, _ = load_engines(pair_engines, ngram_min=1, ngram_max=3)
+    assert drafters["ngram"] == NgramDrafter(1, 3)  # every engine dir has it: it is model-free
+    assert_lossless_with_mixed_rows(verifier, drafters["ngram"], 4, fused_correction=fused)
+
+
+def test_exact_rule_with_deterministic_drafts_and_missing_ones_keeps_p():
+    """A lookup's drafts are deterministic (q one-hot, ``draft_probs=None``) and a row may have
+    fewer than K: each emitted token still follows the verifier (p(d) acceptance, residual
+    norm(max(p − onehot, 0)), drafts past a row's count rejected)."""
+    V, K, N = 8, 3, 100_000
+    g = torch.Generator().manual_seed(3)
+    target_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    params = RuleParams("exact", temperature=0.8)
+    p = sampling_probs(target_logits, params.temperature, params.top_p)
+    drafts = p[:K].argmax(-1).expand(N, -1)  # deterministic: the same in every row
+    num_drafted = torch.randint(0, K + 1, (N,), generator=g)
+    rnd = Randoms(torch.rand(N, K, generator=g), torch.empty(N, V).exponential_(generator=g))
+    n, t = correct(target_logits.expand(N, -1, -1), drafts, None, params, rnd, num_drafted)
+    assert (n <= num_drafted).all()
+    first = torch.where(n > 0, drafts[:, 0], t)
+    second = torch.where(n > 1, drafts[:, 1], t)[n > 0]
+    for samples, target in [(first, p[0]), (second, p[1])]:
+        support = target > 0
+        counts = torch.bincount(samples, minlength=V).double()
+        assert counts[~support].sum() == 0
+        expected = target[support].double()
+        expected = expected / expected.sum() * samples.numel()
+        assert chisquare(counts[support], expected).pvalue > 1e-3
+
+
+def test_exact_with_ngram_matches_the_verifier_joint_distribution(pair):
+    verifier = load_model(pair[0])
+    with torch.no_grad():  # peaked distributions: sampled tokens follow the greedy loop often
+        verifier.lm_head.weight.mul_(3.0)
+    # the prompt ends in the verifier's own greedy loop: most rows find a lookup match, and
+    # their drafts are accepted or rejected
+    prompt = [5, 9, 14] + plain(verifier, [[5, 9, 14]], 12)[0]
+    dec = assert_joint_distribution(verifier, Drafter("ngram", ngram_min=1), VOCAB,
+                                    prompt=prompt)
+    s = aggregate([dec.slot_stats(row) for row in range(dec.max_batch_size)])
+    assert s.num_drafts > s.verify_steps // 2
+    assert s.accepted_tokens > 0 and s.rollbacks > 0
+
+
+def test_served_ngram_requests_get_their_solo_output(pair):
+    config = ServeConfig(pair[0], None, drafter="ngram", ngram_min=1, ngram_max=3, k=4,
+                         max_slots=3, max_seq_len=96, max_input_tokens=64)
+    scheduler = build_scheduler(config)
+    assert scheduler.decoder.drafter == NgramDrafter(1, 3)
+    try:
+        results = []
+        for i, prompt in enumerate(PROMPTS):
+            out, done = [], threading.Event()
+            req = Request(prompt, 24, RuleParams("greedy"), out.extend,
+                          lambda s, e, done=done: done.set(), num_draft_tokens=i % 2 * 4)
+            scheduler.submit(req)
+            results.append((out, done))
+        for _, done in results:
+            assert done.wait(120)
+    finally:
+        scheduler.stop()
+    want = plain(load_model(pair[0]), PROMPTS, 24)
+    assert [out for out, _ in results] == want
