@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from paradraft.build import quantize
 from paradraft.runtime.backends.engine_io import DOMAIN, OP_TYPE, PLUGIN_VERSION, set_rule
 from paradraft.runtime.backends.manifest import package_versions, write_manifest
 from paradraft.runtime.backends.ort import OrtModel
@@ -63,7 +64,8 @@ DRAFT_PRECISIONS = ("int8", "float32")
 # (top-1 agreement 0.94-0.96); a wrong export differs by whole standard deviations
 INT8_TOL = 0.3
 WEIGHTS = ".weights"  # <model>.weights: the one weights file of a model's graphs
-WEIGHTS_DTYPES = ("float32", "float16")
+# "int8" / "int4": MatMul weights block-quantized for MatMulNBits (``quantize``)
+WEIGHTS_DTYPES = ("float32", "float16", *quantize.WEIGHT_BITS)
 # fp16-stored weights against the fp32 model, in standard deviations of the logits: fp16
 # rounding moves them by ~1e-3 of that; a wrong export by whole standard deviations
 FP16_TOL = 0.05
@@ -221,22 +223,26 @@ class WeightStore:
     # "float16": fp32 weights are stored as fp16 and cast back to fp32 inside the graph
     # (I/O, KV cache and math stay fp32): half the bytes, for TensorRT builds
     dtype: str = "float32"
+    block_size: int = quantize.DEFAULT_BLOCK_SIZE  # of "int8" / "int4" weights
     offsets: dict[bytes, int] = field(default_factory=dict)
     size: int = 0
 
     @classmethod
-    def create(cls, path: str | Path, dtype: str = "float32") -> WeightStore:
+    def create(cls, path: str | Path, dtype: str = "float32",
+               block_size: int = quantize.DEFAULT_BLOCK_SIZE) -> WeightStore:
         """An empty store at ``path`` (truncating what a previous build left there)."""
         if dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}; "
                              f"got {dtype!r}")
         path = Path(path)
         path.write_bytes(b"")
-        return cls(path, dtype)
+        return cls(path, dtype, quantize.check_block_size(block_size))
 
     def check_tol(self) -> dict:
         """``check_graph`` / ``check_draft_steps`` tolerance of a float graph stored here:
         exact up to float error, or with fp16 weights within FP16_TOL standard deviations."""
+        if self.dtype in quantize.WEIGHTS_TOL:
+            return {"tol": quantize.WEIGHTS_TOL[self.dtype], "relative": True}
         return {"tol": FP16_TOL, "relative": True} if self.dtype == "float16" else {}
 
     def add(self, data: bytes) -> int:
@@ -310,6 +316,8 @@ def save_graph(model, path: Path, store: WeightStore, src_dir: Path) -> Path:
 
     if store.path.parent.resolve() != path.parent.resolve():
         raise ValueError(f"{path}: a graph must sit next to its weights file {store.path}")
+    if store.dtype in quantize.WEIGHT_BITS:  # every graph of the model, drafting ones too
+        quantize.compress_matmuls(model, src_dir, store.dtype, store.block_size)
     move_weights(model, src_dir, store)
     onnx.save(model, str(path))
     return path
@@ -741,6 +749,7 @@ def build_engines(
     fused_drafts: bool = True,
     weights_dtype: str = "float32",
     calibrate_rules: bool = True,
+    weights_block_size: int = quantize.DEFAULT_BLOCK_SIZE,
 ) -> dict:
     """Export the verifier (+ correction and self-draft variants) and the drafts to
     ``out_dir`` and write its manifest.json. Returns the manifest.
@@ -751,7 +760,10 @@ def build_engines(
     ``<model>.weights`` file (manifest: the model's ``weights``). ``weights_dtype``
     "float16" stores the float weights in fp16, cast back to fp32 inside the graphs (half the
     engine dir, for TensorRT plans; I/O, KV cache and math stay fp32); each float graph's
-    ``precision`` is then "float16". ``fused_drafts``: also the fused
+    ``precision`` is then "float16". ``weights_dtype`` "int8" / "int4" block-quantizes every
+    MatMul weight of every graph (``quantize``; ``weights_block_size`` input features per
+    scale): each graph built from the float export gets that ``precision``; the int8 drafting
+    graphs of ``draft_precision="int8"`` keep their dynamic int8. ``fused_drafts``: also the fused
     k-step greedy draft graphs (k = 2 … max_k) of the autoregressive drafters, the draft
     model and the self-draft (roles ``draft_steps<k>`` / ``self_draft_steps<k>``): one ONNX
     Runtime call drafts a whole block, where k single steps cost k calls. TensorRT plans
@@ -766,6 +778,7 @@ def build_engines(
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ValueError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}; "
                          f"got {weights_dtype!r}")
+    quantize.check_block_size(weights_block_size)  # before the long export
     rule_defaults = rule_defaults or RuleParams("greedy")
     verifier_dir = Path(verifier_dir)
     verifier = load_model(verifier_dir)
@@ -794,7 +807,7 @@ def build_engines(
     graphs = {"logits": {"file": "verifier.onnx", "precision": weights_dtype},
               "correction": {"file": "verifier_correction.onnx", "precision": weights_dtype},
               "self_draft": {"file": f"verifier_self{n_self}.onnx", "num_layers": n_self}}
-    store = WeightStore.create(out / f"verifier{WEIGHTS}", weights_dtype)
+    store = WeightStore.create(out / f"verifier{WEIGHTS}", weights_dtype, weights_block_size)
     check_graph(verifier, export_step(verifier, out / graphs["logits"]["file"], store=store),
                 **store.check_tol())
     add_correction(out / graphs["logits"]["file"], out / graphs["correction"]["file"],
@@ -810,7 +823,7 @@ def build_engines(
     models["verifier"] = {"source": str(verifier_dir), "config": asdict(vc),
                           "weights": store.path.name, "graphs": graphs}
     for name, (d, draft) in drafts.items():
-        store = WeightStore.create(out / f"{name}{WEIGHTS}", weights_dtype)
+        store = WeightStore.create(out / f"{name}{WEIGHTS}", weights_dtype, weights_block_size)
         f = f"{name}.onnx"
         models[name] = {"source": str(d), "config": asdict(draft.config),
                         "weights": store.path.name, "graphs": {"logits": {
@@ -840,6 +853,9 @@ def build_engines(
         "dtype": dtype,
         "draft_precision": draft_precision,
         "weights_dtype": weights_dtype,
+        **({"weights_block_size": weights_block_size,
+            "weights_accuracy_level": quantize.ACCURACY_LEVEL[weights_dtype]}
+           if weights_dtype in quantize.WEIGHT_BITS else {}),
         "opset": OPSET,
         "vocab_size": vc.vocab_size,
         "limits": {"max_batch_size": max_batch_size, "max_k": max_k,

@@ -421,7 +421,8 @@ def test_float16_weights_halve_the_weights_files_and_stay_close_to_torch(pair, p
                                                                torch.float32))[0]
         got = engine(tokens, pos, new_kv_cache(engine.config, 1, 8, torch.float32))[0]
         assert 0 < (want - got).abs().max() < FP16_TOL * want.std()
-    with pytest.raises(ValueError, match="weights_dtype must be one of float32, float16; "
+    with pytest.raises(ValueError, match="weights_dtype must be one of float32, float16, "
+                                         "int8, int4; "
                                          "got 'bfloat16'"):
         build_engines(vdir, tmp_path / "bad", weights_dtype="bfloat16")
 

@@ -55,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "tensorrt): float32 (default) or float16, cast back to fp32 in the "
                          "graphs (half the engine dir, for TensorRT plans; I/O, KV cache and "
                          "math stay fp32)")
+    add_weights_args(p)
     add_rule_args(p)  # the rule defaults the correction graph carries
     p.set_defaults(run=run)
 
@@ -116,7 +117,42 @@ def add_trtllm_deploy_args(p: argparse.ArgumentParser) -> None:
                         "(default 32; with --acceptance-floor)")
 
 
+def add_weights_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("compressed verifier weights (--backend onnx)")
+    g.add_argument("--weights", choices=list(onnx_build.quantize.WEIGHT_BITS), default=None,
+                   help="block-quantize every MatMul weight (ONNX Runtime MatMulNBits; "
+                        "activations, KV cache and correction stay fp32): the verifier's "
+                        "outputs change (measure with `eval --reference-engines`); the drafting "
+                        "graphs follow unless --draft-precision is given. Default: fp32")
+    g.add_argument("--weights-block-size", type=int, default=None, metavar="N",
+                   help="input features per scale of --weights (one of "
+                        f"{', '.join(map(str, onnx_build.quantize.BLOCK_SIZES))}; default "
+                        f"{onnx_build.quantize.DEFAULT_BLOCK_SIZE})")
+
+
+def weights_options(args: argparse.Namespace) -> dict:
+    """``build_engines`` options of --weights / --weights-block-size (refused where unread)."""
+    weights, block = getattr(args, "weights", None), getattr(args, "weights_block_size", None)
+    if weights is None:
+        if block is not None:
+            raise ValueError("--weights-block-size: only read with --weights int8|int4")
+        return {}
+    if args.backend != "onnx":
+        raise ValueError(f"--weights {weights}: only --backend onnx runs MatMulNBits; got "
+                         f"--backend {args.backend}")
+    if args.weights_dtype is not None:
+        raise ValueError(f"--weights {weights} and --weights-dtype {args.weights_dtype}: "
+                         "give one")
+    options = {"weights_dtype": weights}
+    if block is not None:
+        options["weights_block_size"] = onnx_build.quantize.check_block_size(block)
+    if args.draft_precision is None:  # the drafting graphs follow the verifier's weights
+        options["draft_precision"] = "float32"
+    return options
+
+
 def run(args: argparse.Namespace) -> None:
+    compressed = weights_options(args)
     if args.backend == "trtllm":
         if getattr(args, "weights_dtype", None) is not None:
             raise ValueError("--weights-dtype: the trtllm backend takes its dtype from "
@@ -138,6 +174,7 @@ def run(args: argparse.Namespace) -> None:
         options["draft_precision"] = args.draft_precision
     if args.weights_dtype is not None:
         options["weights_dtype"] = args.weights_dtype
+    options.update(compressed)
 
     verifier, draft, parallel = args.verifier, args.draft, args.parallel_draft
     if verifier is None:  # no model arguments: the shipped demo set

@@ -17,7 +17,9 @@ from paradraft.runtime.tools.evaluate import (
     heldout_perplexity,
     measure,
     print_table,
+    print_weights_table,
     tune_grid,
+    weights_quality,
 )
 
 from .common import add_eval_args, device_and_dtype, eval_prompt_pairs, load_drafters
@@ -39,6 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         e.add_argument("--diversity-budget", type=float, default=0.10,
                        help="allowed relative distinct-2 drop vs exact: perplexity alone "
                             "rewards text collapsing into repetition")
+        if name == "eval":
+            e.add_argument("--engines", default=None, metavar="DIR",
+                           help="with --reference-engines: this engine dir's verifier (e.g. "
+                                "`build --weights int4`) against the reference's: perplexity, "
+                                "greedy agreement, top-1 agreement, KL side by side")
+            e.add_argument("--reference-engines", default=None, metavar="DIR",
+                           help="the fp32 engine dir --engines is measured against")
         if name == "tune":
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])
@@ -48,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, tune: bool = False) -> None:
     for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
         check_range(name, getattr(args, name), 1, 1e6)
+    if getattr(args, "engines", None) or getattr(args, "reference_engines", None):
+        return run_weights(args)
     check_k(args.k)
     check_range("budget", args.budget, 0.0, 100.0)
     check_range("diversity_budget", args.diversity_budget, 0.0, 1.0)
@@ -130,6 +141,44 @@ def run(args: argparse.Namespace, tune: bool = False) -> None:
     name = "tune.json" if tune else "eval.json"
     (out / name).write_text(json.dumps(result, indent=2))
     print(f"wrote {out / name}")
+
+
+def run_weights(args: argparse.Namespace) -> None:
+    """`eval --engines DIR --reference-engines DIR`: the quality cost of an engine dir's
+    verifier weights (``build --weights``) against the reference dir's."""
+    from paradraft.runtime.backends.loader import load_engines
+    from paradraft.runtime.backends.manifest import graph_precisions
+
+    if not (args.engines and args.reference_engines):
+        raise ValueError("--engines and --reference-engines go together (the engine dir and "
+                         "the fp32 one it is measured against)")
+    engines = {}
+    for flag, path in (("--reference-engines", args.reference_engines),
+                       ("--engines", args.engines)):
+        verifier, _, tokenizer, manifest = load_engines(path)
+        label = f"{path} ({graph_precisions(manifest)['verifier']})"
+        if label in engines:
+            label += f" {flag}"
+        engines[label] = (verifier, tokenizer, manifest)
+    (ref_label, (_, ref_tok, ref_manifest)), (_, (_, _, manifest)) = engines.items()
+    if ref_manifest["models"]["verifier"]["config"] != manifest["models"]["verifier"]["config"]:
+        raise ValueError(f"--engines {args.engines} and --reference-engines "
+                         f"{args.reference_engines} hold different verifiers (configs differ)")
+    if ref_tok is None:
+        raise ValueError(f"--reference-engines {args.reference_engines}: no tokenizer.json to "
+                         "tokenize the held-out prompts with")
+    args.verifier = ref_tok.parent  # the prompts in the engines' own tokenizer
+    pairs = eval_prompt_pairs(args)
+    rows = weights_quality({k: v[0] for k, v in engines.items()}, ref_label, pairs,
+                           args.max_new_tokens, args.batch_size)
+    print_weights_table(rows, ref_label)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"reference": ref_label, "weights": [asdict(r) for r in rows],
+              "precisions": {k: graph_precisions(v[2]) for k, v in engines.items()},
+              "prompts": len(pairs), "max_new_tokens": args.max_new_tokens}
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / 'eval.json'}")
 
 
 def run_tune(args: argparse.Namespace) -> None:

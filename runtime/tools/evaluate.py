@@ -220,3 +220,110 @@ def frontier(rows: list[QualityRow]) -> list[QualityRow]:
         o.speedup >= r.speedup and o.ppl_change_vs_exact <= r.ppl_change_vs_exact
         and (o.speedup > r.speedup or o.ppl_change_vs_exact < r.ppl_change_vs_exact)
         for o in rows)]
+
+
+# -- compressed weights against the fp32 verifier (``eval --reference-engines``) ------------
+
+
+@dataclass
+class WeightsQuality:
+    """One verifier (an engine dir's weights) against the reference (fp32) verifier. The
+    lossless rules are lossless with respect to the verifier they run, so this is the whole
+    quality cost of compressed weights."""
+
+    label: str
+    heldout_perplexity: float  # on the held-out reference continuations, teacher forced
+    greedy_perplexity: float  # of its own greedy continuations, scored by the REFERENCE
+    top1_agreement: float  # teacher forced on held-out text: argmax == the reference's
+    kl_from_reference: float  # mean KL(reference ‖ this) per held-out position, nats
+    greedy_agreement: float  # mean share of each greedy continuation before the first
+    # token that differs from the reference's greedy continuation
+    identical_sequences: float  # share of prompts whose greedy continuation is identical
+    tokens_per_second: float  # its plain greedy decoding, as run here
+
+
+def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int,
+                         batch_size: int) -> tuple[list[list[int]], float]:
+    """Plain greedy decoding of every prompt (no drafter, no EOS stop, so every continuation
+    has ``max_new_tokens``); returns (continuations, tokens per second)."""
+    dec = SpeculativeDecoder(model, None, RuleParams("greedy"), k=0, max_batch_size=batch_size,
+                             max_seq_len=max(map(len, prompts)) + max_new_tokens,
+                             acceptance_floor=0.0)
+    outs: list[list[int]] = []
+    tokens = seconds = 0.0
+    for i in range(0, len(prompts), batch_size):
+        result = dec.generate(prompts[i: i + batch_size], max_new_tokens)
+        outs += result.token_ids
+        tokens += result.stats.generated_tokens
+        seconds += result.stats.total_time
+    return outs, tokens / seconds if seconds else 0.0
+
+
+def prefix_agreement(outputs: list[list[int]], reference: list[list[int]]
+                     ) -> tuple[float, float]:
+    """(mean share of each sequence before its first token that differs from the reference
+    sequence, share of sequences identical to it): how far greedy decoding follows the
+    reference. Position-by-position matches after a divergence would compare unrelated
+    texts, so they do not count."""
+    if len(outputs) != len(reference) or not outputs:
+        raise ValueError("prefix_agreement pairs sequences: both need the same, non-zero "
+                         f"number ({len(outputs)} vs {len(reference)})")
+    shares, identical = [], 0
+    for out, ref in zip(outputs, reference, strict=True):
+        n = max(len(out), len(ref))
+        same = next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
+                    min(len(out), len(ref)))
+        shares.append(same / n if n else 1.0)
+        identical += out == ref
+    return sum(shares) / len(shares), identical / len(outputs)
+
+
+@torch.no_grad()
+def weights_quality(models: dict[str, object], reference: str,
+                    pairs: list[tuple[list[int], list[int]]], max_new_tokens: int,
+                    batch_size: int) -> list[WeightsQuality]:
+    """Each of ``models`` ({label: verifier (a Transformer or an engine)}) against
+    ``models[reference]``, on held-out (prompt, reference continuation) pairs."""
+    if reference not in models:
+        raise ValueError(f"reference {reference!r} is not among the models {list(models)}")
+    prompts = [p for p, _ in pairs]
+    refs = [c[:max_new_tokens] for _, c in pairs]
+    ref_model = models[reference]
+    ref_logp = [continuation_log_softmax(ref_model, p, c) for p, c in zip(prompts, refs,
+                                                                            strict=True)]
+    ref_greedy, _ = greedy_continuations(ref_model, prompts, max_new_tokens, batch_size)
+    rows = []
+    for label, model in models.items():
+        logprobs: list[float] = []
+        top1 = kl = positions = 0.0
+        for p, c, ref in zip(prompts, refs, ref_logp, strict=True):
+            logp = ref if model is ref_model else continuation_log_softmax(model, p, c)
+            logprobs += logp.gather(-1, torch.tensor(c)[:, None])[:, 0].tolist()
+            top1 += float((logp.argmax(-1) == ref.argmax(-1)).sum())
+            kl += float((ref.exp() * (ref - logp)).nan_to_num().sum())
+            positions += len(c)
+        greedy, tps = greedy_continuations(model, prompts, max_new_tokens, batch_size)
+        scored: list[float] = []
+        for p, g in zip(prompts, greedy, strict=True):
+            scored += continuation_logprobs(ref_model, p, g)
+        agreement, identical = prefix_agreement(greedy, ref_greedy)
+        rows.append(WeightsQuality(
+            label=label, heldout_perplexity=perplexity_from_logprobs(logprobs),
+            greedy_perplexity=perplexity_from_logprobs(scored),
+            top1_agreement=top1 / positions, kl_from_reference=kl / positions,
+            greedy_agreement=agreement, identical_sequences=identical, tokens_per_second=tps))
+    return rows
+
+
+def print_weights_table(rows: list[WeightsQuality], reference: str) -> None:
+    print(f"verifier weights against {reference} (held-out text teacher forced; greedy "
+          "continuations scored by the reference)")
+    print(f"{'verifier':32s} {'ppl':>8s} {'Δppl':>7s} {'greedy ppl':>10s} {'top-1':>6s} "
+          f"{'KL':>7s} {'greedy agree':>12s} {'identical':>9s} {'tok/s':>7s}")
+    base = next(r for r in rows if r.label == reference)
+    for r in rows:
+        print(f"{r.label:32s} {r.heldout_perplexity:8.2f} "
+              f"{r.heldout_perplexity / base.heldout_perplexity - 1:+7.1%} "
+              f"{r.greedy_perplexity:10.2f} {r.top1_agreement:6.1%} {r.kl_from_reference:7.4f} "
+              f"{r.greedy_agreement:12.1%} {r.identical_sequences:9.1%} "
+              f"{r.tokens_per_second:7.1f}")
