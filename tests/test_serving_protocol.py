@@ -18,7 +18,8 @@ def serve_args(**overrides) -> argparse.Namespace:
                    k=None, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
                    stream_interval=1, draft_threads=1, acceptance_floor=0.6,
-                   fused_correction="auto", device=None, dtype=None, instances=1)
+                   fused_correction="auto", device=None, dtype=None, instances=1,
+                   ngram_min=None, ngram_max=None)
     return argparse.Namespace(**{**options, **overrides})
 
 

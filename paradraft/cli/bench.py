@@ -18,6 +18,7 @@ from paradraft.runtime.tools.bench import (
     compare_backends,
     compare_hf,
     print_rows,
+    read_prompt_file,
     run_bench,
     summary,
     write_outputs,
@@ -27,17 +28,26 @@ from .common import (
     add_draft_threads_arg,
     add_eval_args,
     add_fused_correction_arg,
+    add_ngram_args,
     device_and_dtype,
     eval_prompts,
     int_list,
     load_drafters,
+    ngram_sizes,
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="speed-up / acceptance side by side with transformers")
     add_eval_args(p, "bench")
-    p.add_argument("--drafters", default="model,parallel,self")
+    p.add_argument("--drafters", default="model,parallel,self",
+                   help="comma list of model, parallel, self, ngram")
+    add_ngram_args(p)
+    p.add_argument("--prompt-file", default=None, metavar="FILE.jsonl",
+                   help='requests, one JSON object a line: {"messages": [...]} (the '
+                   'verifier\'s chat template applied) or {"prompt": "..."}; every line runs, '
+                   "and each request stops at the verifier's end ids (chat: end of turn). "
+                   "Default: --prompts cuts of --heldout text, decoding --max-new-tokens each")
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--temperature", type=float, default=1.0, help="for the sampling rows")
@@ -69,7 +79,8 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
                       args.parallel_draft if "parallel" in names else None,
                       self_draft_layers=args.self_draft_layers, max_k=max_k)
     verifier, drafters, _, manifest = load_engines(engine_dir, args.self_draft_layers,
-                                                   draft_threads=args.draft_threads)
+                                                   draft_threads=args.draft_threads,
+                                                   **ngram_sizes(args, names))
     # a correction session per rule the plan runs: its fused rows measure the fused path,
     # not the fallback past the default cap
     verifier.max_correction_sessions = max(verifier.max_correction_sessions, len(RULES))
@@ -97,7 +108,11 @@ def run(args: argparse.Namespace) -> None:
     if any(m not in ("on", "off", "auto") for m in fused_modes):
         raise ValueError("fused_correction must be a comma list of on, off, auto; got "
                          f"{args.fused_correction!r}")
-    prompts = eval_prompts(args)
+    chat_ids: tuple[int, ...] = ()
+    if args.prompt_file:
+        prompts, chat_ids = read_prompt_file(args.prompt_file, args.verifier)
+    else:
+        prompts = eval_prompts(args)
     rows = []
     draft_precision = None  # of the onnx engines' drafting graphs
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
@@ -114,17 +129,24 @@ def run(args: argparse.Namespace) -> None:
                 draft_precision = manifest.get("draft_precision", "float32")
             # the transformers peers run once, with the first backend
             hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
+            # a prompt file's requests end where a user's would: at an end id
+            eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids, *chat_ids))
+                        ) if args.prompt_file else None
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
                                      temperature=args.temperature, repeats=args.repeats,
                                      # torch verifies in torch: nothing to fuse
-                                     fused_modes=fused_modes if backend != "torch" else ("off",))
+                                     fused_modes=fused_modes if backend != "torch" else ("off",),
+                                     eos_token_id=eos)
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows
     compare_hf(rows)  # every backend against the transformers peers (run once)
     ratios = compare_backends(rows)
-    meta = {"prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+    meta = {"prompts": len(prompts), "prompt_file": args.prompt_file,
+            "prompt_tokens": args.prompt_tokens if not args.prompt_file else None,
+            "ngram": {name: getattr(d, name) for d in drafters.values() if d.kind == "ngram"
+                      for name in ("ngram_min", "ngram_max")} or None,
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,

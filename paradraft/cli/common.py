@@ -17,7 +17,7 @@ from paradraft.runtime.checkpoints import (
     resolve_dtype,
 )
 from paradraft.runtime.correction import RULES, RuleParams
-from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
+from paradraft.runtime.drafters import DRAFTERS, NGRAM_LIMIT, AnyDrafter, Drafter, NgramDrafter
 from paradraft.runtime.gguf import resolve_checkpoint
 from paradraft.runtime.model import Transformer
 from paradraft.runtime.tools.calibrate import Calibration
@@ -59,6 +59,27 @@ def add_draft_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-threads", type=int, default=1, metavar="N",
                    help="ONNX Runtime intra-op threads of the drafting graphs (engine dirs; "
                         "default 1: a draft call's nodes are too small to share)")
+
+
+def add_ngram_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                   help="the ngram drafter's shortest suffix to look up in the prompt and "
+                        f"output (default {NgramDrafter.ngram_min})")
+    p.add_argument("--ngram-max", type=int, default=None, metavar="N",
+                   help="the ngram drafter's longest suffix, at most "
+                        f"{NGRAM_LIMIT} (default {NgramDrafter.ngram_max})")
+
+
+def ngram_sizes(args: argparse.Namespace, drafters: list[str]) -> dict[str, int]:
+    """``Drafter``'s ngram_min / ngram_max from --ngram-min / --ngram-max (unset ones: the
+    drafter's defaults); refused, naming the flag, where no ngram drafter runs."""
+    sizes = {name: getattr(args, name) for name in ("ngram_min", "ngram_max")
+             if getattr(args, name) is not None}
+    if sizes and "ngram" not in drafters:
+        flag = "--" + next(iter(sizes)).replace("_", "-")
+        raise ValueError(f"{flag} is for the ngram drafter; the drafters here: "
+                         f"{', '.join(drafters) or 'none'}")
+    return sizes
 
 
 def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
@@ -119,6 +140,8 @@ def load_drafters(args: argparse.Namespace, verifier: Transformer) -> dict[str, 
     for n in names:
         if n == "self":
             drafters[n] = Drafter("self", verifier, num_layers=args.self_draft_layers)
+        elif n == "ngram":
+            drafters[n] = Drafter("ngram", **ngram_sizes(args, names))
         else:
             path = args.draft if n == "model" else args.parallel_draft
             drafters[n] = Drafter(n, load_draft(path, args.verifier, verifier.config.vocab_size,

@@ -2,8 +2,12 @@
 
 Every variant decodes the same held-out prompts with the same models: our autoregressive
 baseline, speculative decoding per drafter / rule / K, ``transformers`` greedy ``generate()``
-and ``transformers`` assisted generation (``assistant_model=``, the same K). Speed-ups are
-ratios within this run (the machines are noisy; compare ratios, not absolute tokens/s).
+and ``transformers`` assisted generation at the same K: ``assistant_model=`` beside our draft
+model, prompt lookup (``prompt_lookup_num_tokens=``, ``max_matching_ngram_size=`` our
+``ngram_max``; its smallest n-gram is always 1) beside our ngram drafter. Prompts are token
+prompts cut from held-out text, or a JSONL prompt file (``read_prompt_file``: chat messages
+or plain prompts, whose requests stop at the end of the turn). Speed-ups are ratios within
+this run (the machines are noisy; compare ratios, not absolute tokens/s).
 With ``repeats`` > 1 the whole plan runs that many times in turn; a row's tokens/s is its
 median and each ratio the median of the per-repeat ratios, so a slow spell during one
 variant (the baseline, say) moves one repeat, not the result.
@@ -27,20 +31,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
+from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
 from ..correction import RULES, RuleParams
 from ..drafters import AnyDrafter
 from ..k_policy import analytic_length
 from ..metrics import SpecStats, aggregate
 from ..model import Transformer
-from ..speculative import SpeculativeDecoder
+from ..speculative import EosIds, SpeculativeDecoder
 
 
 @dataclass
 class BenchRow:
     system: str  # "ours" | "hf"
-    variant: str  # baseline | model | parallel | self | generate | assisted
+    variant: str  # baseline | model | parallel | self | ngram | generate | assisted |
+    # prompt_lookup
     rule: str
     k: int
     batch_size: int
@@ -82,6 +89,8 @@ class BenchRow:
     # rounds as the phase times: the goodput policy's K varies between repeats); not in JSON
     spec_stats: list[SpecStats] = field(default_factory=list, repr=False)
     speedup_vs_baseline: float | None = None
+    # over transformers' assisted generation of the same kind and K: assistant_model for a
+    # draft model, prompt lookup for the ngram drafter
     speedup_vs_hf_assisted: float | None = None
     backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
@@ -117,6 +126,56 @@ def median_ratio(row: BenchRow, reference: BenchRow,
 PHASES = ("draft", "verify", "correct", "prefill", "other")
 
 
+def read_prompt_file(path: str | Path, model_dir: str | Path
+                     ) -> tuple[list[list[int]], tuple[int, ...]]:
+    """The token prompts of a JSONL file, one request per line: ``{"messages": [...]}``
+    (through ``model_dir``'s chat template, ending in the assistant's turn) or
+    ``{"prompt": "..."}`` (text, with the tokenizer's special tokens), and the end-of-turn
+    ids its chat requests stop at (none without one). Blank lines are skipped; a bad line is
+    refused naming its number and the field."""
+    tokenizer = load_tokenizer(model_dir)
+    prompts, chat = [], False
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            request = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(request, dict) or len(request) != 1 or not (
+                {"messages", "prompt"} & set(request)):
+            fields = sorted(request) if isinstance(request, dict) else type(request).__name__
+            raise ValueError(f"{where}: a request is an object with exactly one of "
+                             f"'messages' and 'prompt'; got {fields}")
+        if "prompt" in request:
+            if not isinstance(request["prompt"], str) or not request["prompt"]:
+                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+            ids = tokenizer.encode(request["prompt"]).ids
+        else:
+            messages = request["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise ValueError(f"{where}: 'messages' must be a non-empty list")
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or (
+                        not isinstance(m.get("content"), str)):
+                    raise ValueError(f"{where}: messages[{i}] must be an object with string "
+                                     "'role' and 'content'")
+            try:
+                text = format_chat(model_dir, messages)
+            except ValueError as e:
+                raise ValueError(f"{where}: 'messages': {e}") from None
+            # the template writes the special tokens itself
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            chat = True
+        if not ids:
+            raise ValueError(f"{where}: the request encodes to no tokens")
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path}: no requests (one JSON object per line)")
+    return prompts, chat_stop_token_ids(model_dir) if chat else ()
+
+
 def leviathan_bound(alpha: float, k: float, c: float) -> float:
     """Leviathan et al.'s speed-up over plain decoding for i.i.d. acceptance ``alpha``, ``k``
     drafts per round and draft cost ``c`` per token (in plain decoding steps):
@@ -145,10 +204,12 @@ def alpha_from_mean_accepted(mean_accepted: float, k: float) -> float:
 
 def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RuleParams, k: int,
              prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
-             row: BenchRow, token_ids: list[list[int]] | None = None) -> BenchRow:
+             row: BenchRow, token_ids: list[list[int]] | None = None,
+             eos_token_id: EosIds = None) -> BenchRow:
     """Decode ``prompts`` in batches into ``row``'s counts; ``token_ids``: a list to extend
     with each prompt's generated tokens (to compare outputs across variants). The phase
-    times add to ``row``'s (over batches and repeats)."""
+    times add to ``row``'s (over batches and repeats). ``eos_token_id``: where requests stop
+    (None: each decodes ``max_new_tokens``)."""
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
                              acceptance_floor=0.0,
@@ -161,7 +222,8 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
         out: list[list[int]] = [[] for _ in batch]
         rounds, prefill = -1, 0.0  # the first yield is the prefill's token
         t0 = time.perf_counter()
-        for new in dec.stream(batch, max_new_tokens, seed=seed, stats=row_stats):
+        for new in dec.stream(batch, max_new_tokens, seed=seed, eos_token_id=eos_token_id,
+                              stats=row_stats):
             if rounds < 0:
                 prefill = time.perf_counter() - t0
             rounds += 1
@@ -244,24 +306,51 @@ def distance_to_bound(row: BenchRow, base: BenchRow) -> None:
     row.loop_efficiency = row.decode_speedup / row.bound_at_verify_cost
 
 
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[Tensor, Tensor]:
+    """transformers' batch of ``prompts``: ids and attention mask, left-padded to the
+    longest (decoder-only models generate from the right end)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def generated_count(new: Tensor, eos: frozenset[int]) -> int:
+    """Tokens a row of transformers' output generated: up to and including its first end id
+    (rows that ended early are padded after it)."""
+    tokens = new.tolist()
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+
+
 @torch.no_grad()
 def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
-           batch_size: int, k: int, row: BenchRow) -> BenchRow:
-    """transformers generate (greedy) or assisted generation (batch 1 only in transformers)."""
-    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                  do_sample=False, pad_token_id=0)
+           batch_size: int, k: int, row: BenchRow, lookup_ngram: int | None = None,
+           eos_token_id: EosIds = None) -> BenchRow:
+    """transformers generate (greedy), assisted generation with ``hf_draft``, or prompt
+    lookup with n-grams up to ``lookup_ngram`` (both batch 1 only in transformers).
+    ``eos_token_id``: where requests stop (None: each decodes ``max_new_tokens``)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    eos = frozenset() if eos_token_id is None else frozenset(
+        [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    if eos:
+        kwargs.update(eos_token_id=sorted(eos))
+    else:
+        kwargs.update(min_new_tokens=max_new_tokens)
     if hf_draft is not None:
         kwargs.update(assistant_model=hf_draft, num_assistant_tokens=k,
                       num_assistant_tokens_schedule="constant",
                       assistant_confidence_threshold=0.0)
-    hf_verifier.generate(torch.tensor(prompts[:batch_size]), **{**kwargs, "max_new_tokens": 4,
-                                                                 "min_new_tokens": 4})
+    if lookup_ngram is not None:
+        kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=lookup_ngram)
+    ids, mask = left_padded(prompts[:batch_size])
+    hf_verifier.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 4,
+                                                      "min_new_tokens": 0})
     for i in range(0, len(prompts), batch_size):
-        ids = torch.tensor(prompts[i: i + batch_size])  # equal-length prompts: no padding
+        ids, mask = left_padded(prompts[i: i + batch_size])
         t0 = time.perf_counter()
-        out = hf_verifier.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = hf_verifier.generate(ids, attention_mask=mask, **kwargs)
         row.seconds += time.perf_counter() - t0
-        row.tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        row.tokens += sum(generated_count(new, eos) for new in out[:, ids.shape[1]:])
     return row
 
 
@@ -269,8 +358,9 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
          fused_modes: tuple[str, ...] = ("off",)) -> list[BenchRow]:
     """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
     K=4 for sampling with every sampling rule (exact and the lossy ones, their default
-    parameters); per drafter also the goodput policy (K chosen per round, up to 4). Our rows
-    run with ``fused_modes[0]``; those at K = 0 and K=4 (fixed) once more per other mode."""
+    parameters); per drafter also the goodput policy (K chosen per round, up to 4; not for
+    the ngram drafter, which drafts only where it matches). Our rows run with
+    ``fused_modes[0]``; those at K = 0 and K=4 (fixed) once more per other mode."""
     rows: list[BenchRow] = []
     k_default = 4 if 4 in ks else ks[len(ks) // 2]
     for bs in batch_sizes:
@@ -287,11 +377,14 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
                          for lossy in RULES if lossy not in ("exact", "greedy")]
             if not sampling:
                 rows += [BenchRow("ours", d, rule, k_default, bs, sampling, schedule="auto")
-                         for d in drafters]
+                         for d in drafters if d != "ngram"]
             if with_hf and not sampling:
                 rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
                 if bs == 1 and "model" in drafters:
                     rows += [BenchRow("hf", "assisted", "greedy", k, 1, False) for k in sweep]
+                if bs == 1 and "ngram" in drafters:
+                    rows += [BenchRow("hf", "prompt_lookup", "greedy", k, 1, False)
+                             for k in sweep]
     # each twin runs right after its row: their per-repeat ratio sees the same machine
     out = []
     for r in rows:
@@ -306,15 +399,21 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
 def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: list[list[int]],
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
-              repeats: int = 1, fused_modes: tuple[str, ...] = ("off",)) -> list[BenchRow]:
+              repeats: int = 1, fused_modes: tuple[str, ...] = ("off",),
+              eos_token_id: EosIds = None) -> list[BenchRow]:
+    """``eos_token_id``: where every variant's requests stop (None: each decodes
+    ``max_new_tokens``, so all variants decode the same number of tokens; with end ids
+    greedy variants still do, as they emit the same tokens)."""
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
 
         hf_verifier = AutoModelForCausalLM.from_pretrained(hf_dirs[0], dtype=torch.float32)
-        hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
         hf_verifier.eval()
-        hf_draft.eval()
+        if "model" in drafters:  # the assisted peer's draft
+            hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
+            hf_draft.eval()
+    lookup = drafters.get("ngram")
     rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None, fused_modes)
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
@@ -325,12 +424,13 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
             batch_prompts = (prompts * row.batch_size)[:n]
             if row.system == "hf":
                 draft = hf_draft if row.variant == "assisted" else None
+                ngram = lookup.ngram_max if row.variant == "prompt_lookup" else None
                 run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
-                       row.k, row)
+                       row.k, row, ngram, eos_token_id)
             else:
                 params = RuleParams(row.rule, temperature=temperature)
                 run_ours(verifier, drafters.get(row.variant), params, row.k, batch_prompts,
-                         max_new_tokens, row.batch_size, seed, row)
+                         max_new_tokens, row.batch_size, seed, row, eos_token_id=eos_token_id)
             row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
                                                 else 0.0)
             if row.system == "ours":
@@ -355,12 +455,15 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
 
 
 def compare_hf(rows: list[BenchRow]) -> None:
-    """Each greedy fixed-K row over transformers' assisted generation at the same K and batch
-    size (the peers run once, with the first backend; every backend is compared to them)."""
-    peers = {(r.k, r.batch_size): r for r in rows if r.variant == "assisted"}
+    """Each greedy fixed-K row over transformers' assisted generation of the same kind at the
+    same K and batch size: prompt lookup for the ngram drafter, ``assistant_model`` for the
+    others (the peers run once, with the first backend; every backend is compared to them)."""
+    peers = {(r.variant, r.k, r.batch_size): r for r in rows
+             if r.variant in ("assisted", "prompt_lookup")}
     for row in rows:
-        peer = peers.get((row.k, row.batch_size))
-        if peer and not row.sampling and row.schedule == "fixed":
+        kind = "prompt_lookup" if row.variant == "ngram" else "assisted"
+        peer = peers.get((kind, row.k, row.batch_size))
+        if peer and row.system == "ours" and not row.sampling and row.schedule == "fixed":
             row.speedup_vs_hf_assisted = median_ratio(row, peer)
 
 
@@ -535,7 +638,8 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
                      and r.schedule == "fixed")
         if pts:
             line, = ax1.plot(*zip(*pts, strict=True), marker="o",
-                             label=variant if variant != "assisted" else "HF assisted")
+                             label={"assisted": "HF assisted", "prompt_lookup": "HF prompt lookup"
+                                    }.get(variant, variant))
             auto = [r for r in rows if r.variant == variant and r.batch_size == bs0
                     and r.schedule == "auto"]
             if auto:  # the goodput policy picks K per round: a level, not a point on the axis

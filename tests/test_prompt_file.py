@@ -1,0 +1,121 @@
+"""`bench --prompt-file`: JSONL requests (chat messages or plain prompts), the shipped held-out
+prompt files, and the ngram rows beside transformers' prompt lookup."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from paradraft.runtime.checkpoints import DEMO_DIR, format_chat
+from paradraft.runtime.drafters import Drafter
+from paradraft.runtime.model import load_model
+from paradraft.runtime.tools.bench import read_prompt_file, run_bench
+
+PROMPTS = Path(__file__).resolve().parents[1] / "prompts"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture
+def chat_dir(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_DIR / "verifier" / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    return tmp_path
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_requests_are_chat_messages_or_plain_prompts(chat_dir, tmp_path):
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"messages": messages}), "",
+                                              json.dumps({"prompt": "import os"})])
+    prompts, stop = read_prompt_file(path, chat_dir)
+    tok = Tokenizer.from_file(str(chat_dir / "tokenizer.json"))
+    assert prompts == [tok.encode(format_chat(chat_dir, messages), add_special_tokens=False).ids,
+                       tok.encode("import os").ids]
+    assert stop  # chat requests stop at the end of the turn (the tokenizer's eos_token here)
+    _, stop = read_prompt_file(write_lines(tmp_path / "q.jsonl", ['{"prompt": "x = 1"}']),
+                               chat_dir)
+    assert stop == ()
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", r"line 2: not JSON"),
+    ('{"messages": []}', r"line 2: 'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', r"line 2: messages\[0\] must be an object"),
+    ('{"prompt": 3}', r"line 2: 'prompt' must be a non-empty string"),
+    ('{"prompt": "a", "messages": []}', r"line 2: a request is an object with exactly one"),
+    ('{"text": "a"}', r"line 2: .*got \['text'\]"),
+    ("[1, 2]", r"line 2: a request is an object .*got list"),
+])
+def test_a_bad_line_is_refused_naming_its_number_and_field(chat_dir, tmp_path, line, message):
+    path = write_lines(tmp_path / "p.jsonl", ['{"prompt": "fine"}', line])
+    with pytest.raises(ValueError, match=message):
+        read_prompt_file(path, chat_dir)
+
+
+def test_the_shipped_prompt_files_are_two_held_out_kinds_of_chat(chat_dir):
+    texts = {}
+    for kind in ("open_ended", "grounded"):
+        path = PROMPTS / f"{kind}.jsonl"
+        requests = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(requests) == 24
+        assert all([m["role"] for m in r["messages"]] == ["user"] for r in requests)
+        texts[kind] = {r["messages"][0]["content"] for r in requests}
+        assert len(texts[kind]) == 24
+        prompts, _ = read_prompt_file(path, chat_dir)
+        assert len(prompts) == 24
+    assert not texts["open_ended"] & texts["grounded"]
+    # an input-grounded task carries the input its answer copies
+    mean = {kind: sum(map(len, t)) / len(t) for kind, t in texts.items()}
+    assert mean["grounded"] > 2 * mean["open_ended"]
+
+
+def test_bench_runs_ngram_beside_transformers_prompt_lookup(pair):
+    vdir, ddir, _, _ = pair
+    verifier = load_model(vdir)
+    drafters = {"ngram": Drafter("ngram", ngram_min=1, ngram_max=3)}
+    prompts = [[5, 6, 7, 8] * 3, [11, 12, 13, 14, 15, 11, 12]]  # lengths differ
+    rows = run_bench(verifier, drafters, prompts, max_new_tokens=12, batch_sizes=[1, 2],
+                     ks=[2], hf_dirs=(vdir, ddir), seed=0, eos_token_id=0)
+    kinds = {(r.system, r.variant, r.k, r.batch_size) for r in rows}
+    assert {("hf", "prompt_lookup", 2, 1), ("hf", "generate", 0, 2),
+            ("ours", "ngram", 2, 1)} <= kinds
+    assert not any(r.schedule == "auto" for r in rows)  # no goodput policy for a lookup
+    assert not any(r.variant == "assisted" for r in rows)  # no draft model asked for
+    by = {(r.system, r.variant, r.rule, r.batch_size): r for r in rows if r.schedule == "fixed"}
+    ngram, peer = by["ours", "ngram", "greedy", 1], by["hf", "prompt_lookup", "greedy", 1]
+    base = by["ours", "baseline", "greedy", 1]
+    # greedy: every variant emits the same tokens (stopping at the same end ids)
+    assert ngram.tokens == base.tokens == peer.tokens == by["hf", "generate", "greedy", 1].tokens
+    assert ngram.mean_k > 0
+    assert ngram.speedup_vs_hf_assisted == pytest.approx(
+        ngram.tokens_per_second / peer.tokens_per_second)
+    assert by["ours", "ngram", "greedy", 2].tokens == by["ours", "baseline", "greedy", 2].tokens
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_with_ngram_equals_no_speculation_and_sizes_are_checked(pair):
+    common = ["generate", "--verifier", pair[0], "--prompt-ids", "5,6,7,8,5,6,7,8,5,6",
+              "--max-new-tokens", "16", "--json", "--ignore-eos"]
+    spec = run_cli(*common, "--drafter", "ngram", "--ngram-min", "1", "--k", "3")
+    plain = run_cli(*common, "--no-speculation")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["token_ids"] == b["token_ids"] and a["stats"]["draft_tokens"] > 0
+    r = run_cli(*common, "--drafter", "ngram", "--ngram-min", "0")
+    assert r.returncode == 2 and "ngram_min must be an integer in [1, 16]; got 0" in r.stderr
+    r = run_cli(*common, "--drafter", "self", "--ngram-max", "3")
+    assert r.returncode == 2 and "--ngram-max is for the ngram drafter" in r.stderr
