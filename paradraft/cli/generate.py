@@ -23,9 +23,11 @@ from .common import (
     add_device_args,
     add_draft_threads_arg,
     add_fused_correction_arg,
+    add_ngram_args,
     add_rule_args,
     check_engine_limits,
     device_and_dtype,
+    ngram_sizes,
     rule_params,
 )
 
@@ -53,6 +55,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="model")
     p.add_argument("--self-draft-layers", type=int, default=None,
                    help="verifier layers the self-draft uses (default: config or 1)")
+    add_ngram_args(p)
     p.add_argument("--engines", default=None,
                    help="engine dir from `paradraft build` (ONNX Runtime backend) instead of "
                         "--verifier/--draft")
@@ -86,10 +89,13 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
                          "carries the correction graph); the torch backend has none")
     device, dtype = device_and_dtype(args)
     verifier = load_model(args.verifier, dtype=dtype, device=device)
+    sizes = ngram_sizes(args, [] if args.no_speculation else [args.drafter])
     drafter = None
     if not args.no_speculation:
         if args.drafter == "self":
             drafter = Drafter("self", verifier, num_layers=args.self_draft_layers)
+        elif args.drafter == "ngram":
+            drafter = Drafter("ngram", **sizes)
         else:
             default = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel" else "draft")
             draft = load_draft(args.draft or default, args.verifier,
@@ -114,8 +120,9 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     if args.audit_epsilon is not None:
         raise ValueError("--audit-epsilon (the attention causal audit) is not supported with "
                          "--engines (ONNX Runtime); use --verifier/--draft (torch)")
-    verifier, drafters, _, manifest = load_engines(args.engines, args.self_draft_layers,
-                                                   draft_threads=args.draft_threads)
+    verifier, drafters, _, manifest = load_engines(
+        args.engines, args.self_draft_layers, draft_threads=args.draft_threads,
+        **ngram_sizes(args, [] if args.no_speculation else [args.drafter]))
     k = 0 if args.no_speculation else args.k
     check_engine_limits(manifest, max_batch_size, max_seq_len, k)
     if args.no_speculation:

@@ -27,7 +27,9 @@ from .common import (
     add_acceptance_floor_arg,
     add_draft_threads_arg,
     add_fused_correction_arg,
+    add_ngram_args,
     check_engine_limits,
+    ngram_sizes,
 )
 
 
@@ -63,6 +65,7 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
     s.add_argument("--draft", default=None)
     s.add_argument("--drafter", choices=DRAFTERS, default="model")
+    add_ngram_args(s)
     s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
     add_draft_threads_arg(s)
     add_acceptance_floor_arg(s)
@@ -147,7 +150,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
-                       devices=devices_arg(args.device, backend), instances=args.instances)
+                       devices=devices_arg(args.device, backend), instances=args.instances,
+                       **ngram_sizes(args, [args.drafter]))
 
 
 def calibrated_params(calibration: dict | None) -> dict[str, dict[str, float]]:
