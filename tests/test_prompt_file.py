@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from paradraft.runtime.checkpoints import DEMO_DIR, format_chat
 from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.tools.bench import read_prompt_file, run_bench
+from paradraft.runtime.tools.bench import plan, read_prompt_file, run_bench
 
 PROMPTS = Path(__file__).resolve().parents[1] / "prompts"
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -119,3 +119,10 @@ def test_cli_generate_with_ngram_equals_no_speculation_and_sizes_are_checked(pai
     assert r.returncode == 2 and "ngram_min must be an integer in [1, 16]; got 0" in r.stderr
     r = run_cli(*common, "--drafter", "self", "--ngram-max", "3")
     assert r.returncode == 2 and "--ngram-max is for the ngram drafter" in r.stderr
+
+
+def test_greedy_only_plans_no_sampling_rows():
+    rows = plan([1, 2], [2, 4], ["ngram"], with_hf=True, sampling_rows=False)
+    assert rows and not any(r.sampling for r in rows)
+    assert any(r.sampling for r in plan([1], [2], ["ngram"], with_hf=False))
+    assert {r.variant for r in rows if r.system == "hf"} == {"generate", "prompt_lookup"}

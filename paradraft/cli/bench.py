@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--temperature", type=float, default=1.0, help="for the sampling rows")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--greedy-only", action="store_true",
+                   help="skip the sampling rows (exact and the lossy rules)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the whole plan this many times in turn; tokens/s are medians, "
                    "ratios the medians of per-repeat ratios")
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
                                      temperature=args.temperature, repeats=args.repeats,
                                      # torch verifies in torch: nothing to fuse
                                      fused_modes=fused_modes if backend != "torch" else ("off",),
-                                     eos_token_id=eos)
+                                     eos_token_id=eos, sampling_rows=not args.greedy_only)
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
             rows += backend_rows

@@ -355,17 +355,19 @@ def run_hf(hf_verifier, hf_draft, prompts: list[list[int]], max_new_tokens: int,
 
 
 def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bool,
-         fused_modes: tuple[str, ...] = ("off",)) -> list[BenchRow]:
+         fused_modes: tuple[str, ...] = ("off",), sampling_rows: bool = True
+         ) -> list[BenchRow]:
     """The variants: a full K sweep at the first batch size (greedy), K <= 4 at the others,
     K=4 for sampling with every sampling rule (exact and the lossy ones, their default
     parameters); per drafter also the goodput policy (K chosen per round, up to 4; not for
     the ngram drafter, which drafts only where it matches). Our rows run with
-    ``fused_modes[0]``; those at K = 0 and K=4 (fixed) once more per other mode."""
+    ``fused_modes[0]``; those at K = 0 and K=4 (fixed) once more per other mode.
+    ``sampling_rows`` False: greedy rows only."""
     rows: list[BenchRow] = []
     k_default = 4 if 4 in ks else ks[len(ks) // 2]
     for bs in batch_sizes:
         for sampling in (False, True):
-            if sampling and bs != batch_sizes[0]:
+            if sampling and (bs != batch_sizes[0] or not sampling_rows):
                 continue
             rule = "exact" if sampling else "greedy"
             rows.append(BenchRow("ours", "baseline", rule, 0, bs, sampling))
@@ -400,7 +402,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
               repeats: int = 1, fused_modes: tuple[str, ...] = ("off",),
-              eos_token_id: EosIds = None) -> list[BenchRow]:
+              eos_token_id: EosIds = None, sampling_rows: bool = True) -> list[BenchRow]:
     """``eos_token_id``: where every variant's requests stop (None: each decodes
     ``max_new_tokens``, so all variants decode the same number of tokens; with end ids
     greedy variants still do, as they emit the same tokens)."""
@@ -414,7 +416,8 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
             hf_draft = AutoModelForCausalLM.from_pretrained(hf_dirs[1], dtype=torch.float32)
             hf_draft.eval()
     lookup = drafters.get("ngram")
-    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None, fused_modes)
+    rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None, fused_modes,
+                sampling_rows)
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
         for row in rows:
