@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -65,7 +66,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "into a temp dir)")
     add_draft_threads_arg(p)
     add_fused_correction_arg(p, several=True)
+    add_peer_args(p)
     p.set_defaults(run=run)
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenVINO GenAI beside our rows (optional; its own environment)")
+    g.add_argument("--peer", choices=["openvino"], default=None,
+                   help="also run OpenVINO GenAI on the same checkpoints (optimum-intel "
+                        "exports), prompts and K, interleaved with our rows")
+    g.add_argument("--openvino-python", default=None, metavar="PYTHON",
+                   help="interpreter with openvino-genai and optimum-intel (default: this one)")
+    g.add_argument("--openvino-precisions", default="fp32,default,int8", metavar="LIST",
+                   help="comma list of fp32 (weights, math and KV cache), default (what "
+                        "optimum-cli and the CPU plugin give), int8, int4")
+    g.add_argument("--openvino-cache", default=None, metavar="DIR",
+                   help="where the OpenVINO exports are kept (default: OUT/openvino)")
+
+
+def openvino_peer(args: argparse.Namespace):
+    """The OpenVINO peer ``--peer`` asks for, or None (its options refused without it)."""
+    if args.peer is None:
+        given = [f for f, v in (("--openvino-python", args.openvino_python),
+                                ("--openvino-cache", args.openvino_cache)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only read with --peer openvino")
+        return None
+    from paradraft.runtime.tools.peer_openvino import OpenVinoPeer
+
+    if "model" in args.drafters.split(",") and args.draft is None:
+        raise ValueError("--peer openvino runs the draft model: pass --draft")
+    draft = Path(args.draft) if "model" in args.drafters.split(",") else None
+    return OpenVinoPeer(
+        python=args.openvino_python or sys.executable, verifier=Path(args.verifier), draft=draft,
+        precisions=tuple(args.openvino_precisions.split(",")), threads=torch.get_num_threads(),
+        cache_dir=Path(args.openvino_cache or Path(args.out) / "openvino"))
 
 
 def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
@@ -93,6 +128,27 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
     return verifier, {n: drafters[n] for n in names}, manifest
 
 
+def openvino_comparison(args: argparse.Namespace, rows: list, peer, prompts: list[list[int]],
+                        eos: tuple[int, ...] | None) -> dict:
+    """The OpenVINO rows against ours (``peer_openvino.compare``), their greedy agreement
+    measured against our fp32 torch verifier's greedy continuations."""
+    from paradraft.runtime.tools.evaluate import greedy_continuations
+    from paradraft.runtime.tools.peer_openvino import compare
+
+    peer.close()
+    reference = load_model(args.verifier)
+    distinct = list({tuple(p): p for p in prompts}.values())
+    continuations, _ = greedy_continuations(reference, distinct, args.max_new_tokens, 1)
+    if eos:  # cut where the rows stopped: at the first end id, kept
+        continuations = [c[:next((i + 1 for i, t in enumerate(c) if t in eos), len(c))]
+                         for c in continuations]
+    out = compare(rows, peer, {tuple(p): c for p, c in zip(distinct, continuations,
+                                                            strict=True)})
+    out["precisions"] = list(peer.precisions)
+    print("OpenVINO GenAI beside ours:", json.dumps(out, indent=2))
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     backends = args.backends.split(",")
     if not backends or any(b not in ("torch", "onnx", "tensorrt") for b in backends):
@@ -115,6 +171,7 @@ def run(args: argparse.Namespace) -> None:
         prompts, chat_ids = read_prompt_file(args.prompt_file, args.verifier)
     else:
         prompts = eval_prompts(args)
+    peer = openvino_peer(args)  # checked before anything is built
     rows = []
     draft_precision = None  # of the onnx engines' drafting graphs
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
@@ -139,9 +196,12 @@ def run(args: argparse.Namespace) -> None:
                                      temperature=args.temperature, repeats=args.repeats,
                                      # torch verifies in torch: nothing to fuse
                                      fused_modes=fused_modes if backend != "torch" else ("off",),
-                                     eos_token_id=eos, sampling_rows=not args.greedy_only)
+                                     eos_token_id=eos, sampling_rows=not args.greedy_only,
+                                     peer=peer if i == 0 else None)
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
+                if r.system == "openvino":
+                    r.backend = "openvino"
             rows += backend_rows
     compare_hf(rows)  # every backend against the transformers peers (run once)
     ratios = compare_backends(rows)
@@ -165,6 +225,8 @@ def run(args: argparse.Namespace) -> None:
                 "efficiency": "speedup_vs_baseline / bound",
                 "phase_share": "draft, verify, correct, prefill, other (= wall clock - the "
                                "four) over the wall clock"}}
+    if peer is not None:
+        meta["openvino"] = openvino_comparison(args, rows, peer, prompts, eos)
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))

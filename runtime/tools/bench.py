@@ -402,10 +402,12 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
               repeats: int = 1, fused_modes: tuple[str, ...] = ("off",),
-              eos_token_id: EosIds = None, sampling_rows: bool = True) -> list[BenchRow]:
+              eos_token_id: EosIds = None, sampling_rows: bool = True, peer=None
+              ) -> list[BenchRow]:
     """``eos_token_id``: where every variant's requests stop (None: each decodes
     ``max_new_tokens``, so all variants decode the same number of tokens; with end ids
-    greedy variants still do, as they emit the same tokens)."""
+    greedy variants still do, as they emit the same tokens). ``peer``: a
+    ``peer_openvino.OpenVinoPeer``, whose rows join the plan (interleaved with ours)."""
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
@@ -418,6 +420,8 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
     lookup = drafters.get("ngram")
     rows = plan(batch_sizes, ks, list(drafters), hf_verifier is not None, fused_modes,
                 sampling_rows)
+    if peer is not None:
+        rows += peer.plan(batch_sizes, ks)
     progress = tqdm(total=len(rows) * repeats, desc="bench", unit="variant")
     for _ in range(repeats):
         for row in rows:
@@ -430,6 +434,8 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                 ngram = lookup.ngram_max if row.variant == "prompt_lookup" else None
                 run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
                        row.k, row, ngram, eos_token_id)
+            elif row.system == "openvino":
+                peer.run(row, batch_prompts, max_new_tokens, eos_token_id)
             else:
                 params = RuleParams(row.rule, temperature=temperature)
                 run_ours(verifier, drafters.get(row.variant), params, row.k, batch_prompts,
@@ -631,7 +637,7 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     # the first backend in its first fused mode, and the transformers peers (measured
     # against its baseline)
     first = rows[0]
-    rows = [r for r in rows if r.system == "hf" or (
+    rows = [r for r in rows if r.system in ("hf", "openvino") or (
         r.backend == first.backend and r.fused_correction == first.fused_correction)]
     bs0 = min(r.batch_size for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
