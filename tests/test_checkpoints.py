@@ -253,7 +253,8 @@ def test_padded_pair_builds_into_engines_that_stay_lossless(padded_pair, tmp_pat
     from paradraft.runtime.backends.loader import load_engines
 
     vdir, ddir, hf = padded_pair
-    manifest = build_engines(vdir, tmp_path, ddir, max_k=4, draft_precision="float32")
+    manifest = build_engines(vdir, tmp_path, ddir, max_k=4, draft_precision="float32",
+                             self_draft_layers=1)
     assert manifest["models"]["draft"]["config"]["vocab_size"] == 64
     # rule defaults calibrated to this verifier travel with the engines
     assert 0 < manifest["calibration"]["tau"] < 1 and manifest["calibration"]["positions"] > 0

@@ -3,6 +3,7 @@ the manifest's refusals, build-time draft checks, and the CLI build + generate -
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -464,7 +465,7 @@ def test_default_build_builds_a_drifting_int8_draft_in_float32(pair, tmp_path):
 
     out = tmp_path / "engines"
     r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--backend", "onnx",
-                "--out", str(out), "--max-k", "2")
+                "--out", str(out), "--max-k", "2", "--self-draft-layers", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "DraftPrecisionWarning: draft.onnx: int8 weights drift" in r.stderr
     assert "built in float32 instead" in r.stderr
@@ -683,3 +684,32 @@ def test_step_graph_has_no_runtime_computed_reshape_for_the_layers(pair, tmp_pat
     # none left: each layer's new K and V go into its window by ScatterElements, whose
     # shared index needs no reshape
     assert computed == [], [n.name for n in computed]
+
+
+def test_build_makes_only_the_graphs_asked_and_refuses_a_missing_drafter(pair, tmp_path):
+    """No self-draft graphs unless asked (--self-draft-layers or the verifier's config); a
+    drafter the dir lacks is refused by generate and serve before anything loads, naming
+    the drafters the dir has; unset, serve takes the dir's first (here the draft model)."""
+    vdir, ddir, _, _ = pair
+    out = tmp_path / "engines"
+    build_engines(vdir, out, ddir, max_k=2, draft_precision="float32")
+    m = json.loads((out / "manifest.json").read_text())
+    assert set(m["drafters"]) == {"model"}
+    assert not any(role.startswith("self_draft") for role in m["models"]["verifier"]["graphs"])
+    assert not list(out.glob("verifier_self*"))
+    # one copy of each weight: the weights file is no larger than the checkpoint's tensors
+    verifier = load_model(vdir)
+    assert (out / "verifier.weights").stat().st_size <= sum(
+        p.numel() * 4 for p in verifier.parameters()) + (1 << 16)
+    for command in (["generate", "--prompt-ids", "4,8", "--max-new-tokens", "2"],
+                    ["serve", "--grpc-port", "1"]):
+        r = run_cli(*command, "--engines", str(out), "--drafter", "self")
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"drafter 'self' was not built into {out}; it has: model, ngram" in r.stderr
+        assert "Traceback" not in r.stderr and "starting tritonserver" not in r.stderr
+    from paradraft.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--engines", str(out)])
+    assert serve.serve_config(args).drafter == "model"

@@ -25,17 +25,20 @@ from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import load_config
 
-from .common import add_rule_args, rule_params
+from .common import add_rule_args, checkpoint, rule_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
-    p.add_argument("--verifier", default=None,
+    p.add_argument("--verifier", type=checkpoint, default=None,
                     help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
-    p.add_argument("--draft", default=None, help="HF-format dir of the draft model")
-    p.add_argument("--parallel-draft", default=None, help="HF-format dir (PARD-style draft)")
+    p.add_argument("--draft", type=checkpoint, default=None,
+                   help="HF-format dir (or .gguf) of the draft model")
+    p.add_argument("--parallel-draft", type=checkpoint, default=None,
+                   help="HF-format dir (PARD-style draft)")
     p.add_argument("--self-draft-layers", type=int, default=None,
-                    help="verifier layers of the self-draft graph (default: config or 1)")
+                    help="verifier layers of the self-draft graphs, built only when given "
+                         "or set in the verifier's config (self_draft_layers)")
     p.add_argument("--backend", choices=["onnx", "tensorrt", "trtllm"], default="onnx")
     p.add_argument("--out", default="engines", help="engine dir to write")
     p.add_argument("--max-batch-size", type=int, default=8)

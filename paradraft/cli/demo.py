@@ -1,43 +1,101 @@
-"""``paradraft demo``: the whole pipeline: start Triton, stream one completion over gRPC, print
-the stats, stop the server."""
+"""``paradraft demo``: the whole pipeline. Start Triton with the engines and the OpenAI API in
+front of it, stream one chat answer over tritonclient gRPC, ask the same question through the
+official ``openai`` client, print acceptance and tok/s for both, stop everything."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
+from paradraft.runtime.checkpoints import format_chat
 from paradraft.runtime.serving.client import complete
 
-from .serve import add_server_args, own_server, serve_config
+from .serve import (
+    add_openai_args,
+    add_server_args,
+    chat_dir,
+    own_openai_server,
+    own_server,
+    serve_config,
+)
+
+QUESTION = "What is the capital of France, and what is it famous for? Answer in three sentences."
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the whole pipeline: start Triton, stream one completion "
-                                    "over gRPC, print the stats, stop the server")
+    p = sub.add_parser("demo", help="the whole pipeline: start Triton and the OpenAI API, "
+                                    "stream one chat answer over gRPC and one through the "
+                                    "openai client, print the stats, stop the servers")
     add_server_args(p)
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max-tokens", type=int, default=64)
+    add_openai_args(p)
+    p.add_argument("--question", default=QUESTION, help="the user message")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-openai", action="store_true",
+                   help="gRPC only (the openai client is a dev dependency)")
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> None:
-    server = own_server(args, serve_config(args))
+def show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def ask_grpc(url: str, prompt: str, max_tokens: int) -> None:
+    r = complete(url, prompt, max_tokens, stream=True, on_text=show)
+    tokens = sum(r.chunk_tokens)
+    print(f"\n[gRPC: {tokens} tokens in {len(r.chunks)} streamed responses, "
+          f"{tokens / r.chunk_times[-1]:.1f} tok/s; acceptance rate {r.acceptance_rate:.2f} "
+          f"({r.total_accepted_draft_tokens}/{r.total_draft_tokens} draft tokens); first "
+          f"response after {r.first_token_s * 1e3:.0f} ms]\n", flush=True)
+
+
+def ask_openai(base_url: str, model: str, question: str, max_tokens: int) -> None:
     try:
-        print(f"paradraft: Triton ready on {server.grpc_url}; streaming one completion over "
-              f"gRPC\n", file=sys.stderr, flush=True)
-        sys.stdout.write(args.prompt)
+        import openai
+    except ImportError:
+        raise RuntimeError("the demo's second half needs the official openai client: pip "
+                           "install openai (or pass --no-openai)") from None
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    usage, stats = None, {}
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            show(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage, stats = chunk.usage, (chunk.model_extra or {}).get("paradraft") or {}
+    seconds = time.perf_counter() - t0
+    tokens = usage.completion_tokens if usage else 0
+    print(f"\n[OpenAI API (openai {openai.__version__}): {tokens} tokens, "
+          f"{tokens / seconds:.1f} tok/s; acceptance rate "
+          f"{stats.get('acceptance_rate', float('nan')):.2f}]", flush=True)
 
-        def show(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
 
-        r = complete(server.grpc_url, args.prompt, args.max_tokens, stream=True, on_text=show)
-        tokens = sum(r.chunk_tokens)
-        print(f"\n\n[{tokens} tokens in {len(r.chunks)} streamed responses; acceptance rate "
-              f"{r.acceptance_rate:.2f} ({r.total_accepted_draft_tokens}/"
-              f"{r.total_draft_tokens} draft tokens); first response after "
-              f"{r.first_token_s * 1e3:.0f} ms; {tokens / r.chunk_times[-1]:.1f} tok/s]",
-              flush=True)
+def run(args: argparse.Namespace) -> None:
+    config = serve_config(args)
+    server = own_server(args, config)
+    api = None
+    try:
+        if not args.no_openai:
+            api = own_openai_server(args, config, server)
+        prompt = format_chat(chat_dir(args, server.workdir),
+                             [{"role": "user", "content": args.question}])
+        print(f"paradraft: Triton ready on {server.grpc_url} (drafter {config.drafter!r}, "
+              f"K={config.k}, rule {config.rule}); the chat template of "
+              f"{Path(args.engines or args.verifier).name} applied\n\nuser: {args.question}\n",
+              file=sys.stderr, flush=True)
+        sys.stdout.write("assistant (tritonclient gRPC, streaming):\n")
+        ask_grpc(server.grpc_url, prompt, args.max_tokens)
+        if api is not None:
+            sys.stdout.write("assistant (openai client, /v1/chat/completions):\n")
+            ask_openai(f"http://127.0.0.1:{api.config.port}/v1", args.served_model_name,
+                       args.question, args.max_tokens)
     finally:
+        if api is not None:
+            api.stop()
         server.stop()
-        print("paradraft: tritonserver stopped", file=sys.stderr)
+        print("paradraft: servers stopped", file=sys.stderr)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import (
     DEMO_DIR,
     chat_stop_token_ids,
@@ -26,6 +27,7 @@ from .common import (
     add_ngram_args,
     add_rule_args,
     check_engine_limits,
+    checkpoint,
     device_and_dtype,
     ngram_sizes,
     rule_params,
@@ -48,11 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verifier", default=str(DEMO_DIR / "verifier"), help="HF-format dir")
-    p.add_argument("--draft", default=None,
+    p.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"),
+                   help="HF-format dir or .gguf file")
+    p.add_argument("--draft", type=checkpoint, default=None,
                    help="HF-format dir (default: the demo draft for --drafter model, "
                         "the demo parallel_draft for --drafter parallel)")
-    p.add_argument("--drafter", choices=DRAFTERS, default="model")
+    p.add_argument("--drafter", choices=DRAFTERS, default=None,
+                   help="default: model; with --engines the dir's first of model, parallel, "
+                        "self, ngram (one it lacks is refused, naming the ones it has)")
     p.add_argument("--self-draft-layers", type=int, default=None,
                    help="verifier layers the self-draft uses (default: config or 1)")
     add_ngram_args(p)
@@ -75,6 +80,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
                   ) -> tuple[SpeculativeDecoder, Transformer]:
+    if args.engines and not args.no_speculation:  # checked before any engine loads
+        args.drafter = engine_drafter(read_manifest(args.engines, verify=False), args.engines,
+                                      args.drafter)
+    args.drafter = args.drafter or "model"
     if args.engines:
         verifier, drafter, manifest = engine_models(args, max_batch_size, max_seq_len)
         return SpeculativeDecoder(
@@ -127,9 +136,6 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     check_engine_limits(manifest, max_batch_size, max_seq_len, k)
     if args.no_speculation:
         return verifier, None, manifest
-    if args.drafter not in drafters:
-        raise ValueError(f"drafter {args.drafter!r} was not built into {args.engines}; "
-                         f"built: {', '.join(sorted(drafters))}")
     return verifier, drafters[args.drafter], manifest
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from paradraft.runtime.backends.manifest import read_manifest
+from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
 from paradraft.runtime.drafters import DRAFTERS
@@ -29,6 +29,7 @@ from .common import (
     add_fused_correction_arg,
     add_ngram_args,
     check_engine_limits,
+    checkpoint,
     ngram_sizes,
 )
 
@@ -62,9 +63,11 @@ def add_openai_args(s: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--verifier", default=str(DEMO_DIR / "verifier"))
-    s.add_argument("--draft", default=None)
-    s.add_argument("--drafter", choices=DRAFTERS, default="model")
+    s.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"))
+    s.add_argument("--draft", type=checkpoint, default=None)
+    s.add_argument("--drafter", choices=DRAFTERS, default=None,
+                   help="default: model; with --engines the dir's first of model, parallel, "
+                        "self, ngram (one it lacks is refused, naming the ones it has)")
     add_ngram_args(s)
     s.add_argument("--engines", default=None, help="engine dir (ONNX Runtime backend)")
     add_draft_threads_arg(s)
@@ -124,6 +127,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         check_engine_limits(manifest, max_slots, max_seq_len, k,
                             ("max_slots", "max_seq_len", "k"))
         check_engine_placement(manifest, args)
+        drafter = engine_drafter(manifest, args.engines, args.drafter)
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
         backend = manifest.get("backend")
         calibrated = calibrated_params(manifest.get("calibration"))
@@ -134,12 +138,13 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         k = 4 if args.k is None else args.k
         eos = load_model_config_eos(verifier)
         backend = None
+        drafter = args.drafter or "model"
     manifest_rule = defaults.pop("rule", "greedy")
     rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
     temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
-    draft = args.draft or str(DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
+    draft = args.draft or str(DEMO_DIR / ("parallel_draft" if drafter == "parallel"
                                           else "draft"))
-    return ServeConfig(verifier=verifier, draft=draft, drafter=args.drafter,
+    return ServeConfig(verifier=verifier, draft=draft, drafter=drafter,
                        engines=args.engines, k=k, max_slots=max_slots,
                        max_queue=args.max_queue, max_seq_len=max_seq_len,
                        max_input_tokens=max_seq_len - 1, rule=rule, temperature=temperature,
@@ -151,7 +156,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
                        devices=devices_arg(args.device, backend), instances=args.instances,
-                       **ngram_sizes(args, [args.drafter]))
+                       **ngram_sizes(args, [drafter]))
 
 
 def calibrated_params(calibration: dict | None) -> dict[str, dict[str, float]]:

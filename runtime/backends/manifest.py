@@ -85,18 +85,14 @@ def engine_drafter(manifest: dict, engine_dir: str | Path, asked: str | None) ->
     has) when the dir was not built with it; unset, the dir's first in ``DRAFTERS`` order
     (a separate draft model before a parallel one before the self-draft). Called before
     anything starts, so a server never dies on a drafter its engines lack."""
-    if asked in MODEL_FREE_DRAFTERS:  # needs no graph: every engine dir has it
-        return asked
-    built = [d for d in DRAFTERS if d in manifest["drafters"]]
+    # a model-free drafter needs no graph: every engine dir has it (last in DRAFTERS order)
+    built = [d for d in DRAFTERS if d in manifest["drafters"] or d in MODEL_FREE_DRAFTERS]
     if asked is None:
-        if not built:
-            raise ValueError(f"{engine_dir} has no drafter: pass --no-speculation")
         return built[0]
     if asked not in built:
         raise ValueError(f"drafter {asked!r} was not built into {engine_dir}; it has: "
-                         f"{', '.join(built) or 'none'} (rebuild with `paradraft build` and "
-                         "the draft's flag, or choose one of those, or the model-free "
-                         f"{', '.join(MODEL_FREE_DRAFTERS)})")
+                         f"{', '.join(built)} (rebuild with `paradraft build` and the draft's "
+                         "flag, or choose one of those)")
     return asked
 
 
