@@ -334,6 +334,9 @@ def generate_data(cfg: DistillConfig, verifier: Transformer) -> list[dict]:
             ] if data_file.is_file() else []
     seqs = [s for s in seqs if s["round"] < state["rounds"]]  # drop a half-written round
     budget = cfg.minutes * 60 * cfg.data_share
+    # a resumed run with a larger budget (--minutes, --data-share) generates more
+    state["done"] = state["done"] and state["seconds"] >= budget and not (
+        cfg.max_sequences and len(seqs) < cfg.max_sequences)
     file_prompts = read_prompt_file(cfg) if cfg.prompts else None
     gen = Generator(verifier, cfg.verifier, cfg)
     bar = tqdm(total=round(budget), initial=min(round(state["seconds"]), round(budget)),
@@ -618,7 +621,8 @@ def distill(cfg: DistillConfig) -> dict:
     saved = load_json(cfg.work / "config.json", None)
     if saved is not None:
         changed = {k: (saved[k], v) for k, v in asdict(cfg).items()
-                   if k not in ("resume", "minutes", "steps", "max_sequences", "eval_prompts")
+                   if k not in ("resume", "minutes", "data_share", "steps", "max_sequences",
+                                "eval_prompts")
                    and saved.get(k) != v}
         if changed:
             raise ValueError(f"--resume with other settings than the run in {out}: "
