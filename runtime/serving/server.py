@@ -5,7 +5,7 @@ decoupled Python model, ``ensemble``, that tokenises, decodes and detokenises) a
 real ``tritonserver``. On a CPU machine that is the binary bundled in the ``nvidia-pytriton`` wheel
 (the Makefile unpacks it into ``.venv/pytriton``); in an NGC container it is the one on PATH.
 ``fill_template`` is the one template filler: our repository and the TensorRT-LLM one
-(``paradraft.build.trtllm``) both use it.
+(``paradraft.build.trtllm_engine``) both use it.
 """
 
 from __future__ import annotations
