@@ -140,9 +140,8 @@ class OpenVinoPeer:
                 "model": str(self.export(self.verifier, precision))}
             if kind == "speculative":
                 request["draft"] = str(self.export(self.draft, precision))
-            if row.batch_size > 1 or kind == "speculative":  # speculation runs on CB too
-                request["scheduler"] = {"max_num_seqs": max(row.batch_size, 1),
-                                        "cache_size": 1}
+            if row.batch_size > 1:  # continuous batching (the stateful pipeline: one prompt)
+                request["scheduler"] = {"max_num_seqs": row.batch_size, "cache_size": 1}
             self.call(request)
             self.loaded.add(key)
             self.call({"cmd": "generate", "key": key, "prompts": prompts[:row.batch_size],
