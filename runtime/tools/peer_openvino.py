@@ -28,15 +28,17 @@ from .bench import BenchRow
 WORKER = Path(__file__).with_name("openvino_worker.py")
 PIP = ("openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 "
        "optimum-intel==2.2.0 nncf==3.4.0")
-# precision → (optimum-cli --weight-format, or None for its default; OpenVINO properties).
-# "fp32": fp32 weights, math and KV cache (equal to our fp32 engines); "default": what
-# `optimum-cli export openvino` and the CPU plugin give a new user (fp16-compressed weights,
-# the CPU's default inference precision and KV cache precision)
-PRECISIONS: dict[str, tuple[str | None, dict]] = {
-    "fp32": ("fp32", {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}),
-    "default": (None, {}),
-    "int8": ("int8", {}),
-    "int4": ("int4", {}),
+# precision → (optimum-cli export options, OpenVINO properties). "fp32": fp32 weights, math
+# and KV cache (equal to our fp32 engines); "default": what `optimum-cli export openvino` and
+# the CPU plugin give a new user (fp16-compressed weights, the CPU's default inference and KV
+# cache precisions); int4 in groups of 32 input features, as our --weights int4 (NNCF's
+# default group of 128 does not divide a hidden size of 576 and the export fails)
+PRECISIONS: dict[str, tuple[list[str], dict]] = {
+    "fp32": (["--weight-format", "fp32"],
+             {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}),
+    "default": ([], {}),
+    "int8": (["--weight-format", "int8"], {}),
+    "int4": (["--weight-format", "int4", "--group-size", "32"], {}),
 }
 
 
@@ -75,14 +77,12 @@ class OpenVinoPeer:
 
     def export(self, checkpoint: Path, precision: str) -> Path:
         """``checkpoint`` exported in ``precision`` (cached under ``cache_dir``)."""
-        weight_format, _ = PRECISIONS[precision]
+        options, _ = PRECISIONS[precision]
         out = self.cache_dir / f"{checkpoint.resolve().name}-{precision}"
         if (out / "openvino_model.xml").is_file():
             return out
         argv = [self.python, "-m", "optimum.commands.optimum_cli", "export", "openvino",
-                "--model", str(checkpoint), "--task", "text-generation-with-past"]
-        if weight_format is not None:
-            argv += ["--weight-format", weight_format]
+                "--model", str(checkpoint), "--task", "text-generation-with-past", *options]
         done = subprocess.run([*argv, str(out)], capture_output=True, text=True,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode or not (out / "openvino_model.xml").is_file():
