@@ -37,3 +37,44 @@ def test_bf16_on_cuda_greedy_speculative_equals_greedy_plain(cuda_models, kind):
 def test_bf16_on_cuda_exact_rule_keeps_the_verifier_distribution(cuda_models):
     verifier, draft, _ = cuda_models
     assert_joint_distribution(verifier, Drafter("model", draft), VOCAB)
+
+
+@pytest.mark.parametrize("rule", ["exact", "greedy", "threshold", "ratio", "dynamic", "typical"])
+def test_compiled_kernel_on_cuda_equals_correct(rule):
+    """The fused correction kernel, compiled for this GPU (not the interpreter that
+    tests/test_kernel.py runs on the CPU), against correction.correct on the same inputs:
+    planted drafts so every rule accepts a non-trivial prefix, a partial last vocab tile,
+    top-p, temperature, sampled drafts with their q, and rows with fewer drafts."""
+    from paradraft.runtime.backends import kernels as ck
+    from paradraft.runtime.correction import Randoms, correct, draw_randoms
+
+    B, K, V = 6, 4, 1000
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, K + 1, V, generator=g) * 2
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    for b, planted in enumerate([K, 2, K, 0, 1, 3]):
+        logits[b, torch.arange(planted), drafts[b, :planted]] += 9.0
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    num_drafted = torch.tensor([K, K, K - 1, 0, K, 2])
+    randoms = draw_randoms(B, K, V, g)
+    for params, with_q in [(RuleParams(rule, temperature=1.3), False),
+                           (RuleParams(rule, temperature=0.7, top_p=0.8,
+                                       top_p_membership=True), rule != "greedy")]:
+        r = None if params.is_greedy else randoms
+        want = correct(logits, drafts, q if with_q else None, params, r, num_drafted)
+        cuda = [t.cuda() if isinstance(t, torch.Tensor) else t
+                for t in (logits, drafts, q if with_q else None, num_drafted)]
+        r_cuda = None if r is None else Randoms(r.accept_uniforms.cuda(), r.sample_noise.cuda())
+        got = ck.correct_fused(cuda[0], cuda[1], cuda[2], params, r_cuda, cuda[3])
+        assert got[0].is_cuda
+        assert got[0].cpu().tolist() == want[0].tolist(), params
+        assert got[1].cpu().tolist() == want[1].tolist(), params
+
+
+def test_ngram_drafter_on_cuda_is_lossless(cuda_models):
+    verifier, _, _ = cuda_models
+    repeat = [[5, 9, 14, 5, 9, 14, 5, 9], [3, 4, 3, 4, 3, 4, 7]]
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=2)
+    dec = SpeculativeDecoder(verifier, Drafter("ngram"), RuleParams("greedy"), k=4,
+                             max_batch_size=2)
+    assert dec.generate(repeat, 24).token_ids == plain.generate(repeat, 24).token_ids
