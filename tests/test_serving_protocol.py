@@ -52,6 +52,7 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({
         "format_version": 1, "limits": {"max_batch_size": 6, "max_k": 3, "max_seq_len": 256},
         "rule_defaults": rule_defaults,
+        "drafters": {"model": "draft"},
         "models": {"verifier": {"config": {"eos_token_ids": [0]}}}}))
     config = serve_config(serve_args(engines=str(tmp_path)))
     assert (config.max_slots, config.max_seq_len, config.max_input_tokens) == (6, 256, 255)
@@ -80,6 +81,7 @@ def engine_manifest(tmp_path, backend="onnx", graphs=("logits", "correction")) -
         "format_version": 1, "backend": backend,
         "limits": {"max_batch_size": 4, "max_k": 4, "max_seq_len": 256},
         "rule_defaults": {"rule": "greedy"},
+        "drafters": {"model": "draft"},
         "models": {"verifier": {"config": {"eos_token_ids": [0]},
                                 "graphs": {g: {} for g in graphs}}}}))
     return str(tmp_path)
@@ -436,6 +438,7 @@ def test_requests_of_a_calibrated_rule_get_its_calibrated_parameters(tmp_path):
         "rule_defaults": dict(rule="greedy", temperature=1.0, top_p=1.0, tau=0.3, gamma=1.0,
                               alpha=0.1, top_p_membership=False, epsilon=0.09, delta=0.3),
         "calibration": CALIBRATION,
+        "drafters": {"model": "draft"},
         "models": {"verifier": {"config": {"eos_token_ids": [0]}}}}))
     config = serve_config(serve_args(engines=str(tmp_path)))
     assert config.calibrated == {"threshold": {"tau": 0.11}, "ratio": {"gamma": 0.42},
