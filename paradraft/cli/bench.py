@@ -138,7 +138,9 @@ def openvino_comparison(args: argparse.Namespace, rows: list, peer, prompts: lis
     peer.close()
     reference = load_model(args.verifier)
     distinct = list({tuple(p): p for p in prompts}.values())
-    continuations, _ = greedy_continuations(reference, distinct, args.max_new_tokens, 1)
+    # all prompts in one batch: the same greedy tokens up to float ties, 1/B of the steps
+    continuations, _ = greedy_continuations(reference, distinct, args.max_new_tokens,
+                                            len(distinct))
     if eos:  # cut where the rows stopped: at the first end id, kept
         continuations = [c[:next((i + 1 for i, t in enumerate(c) if t in eos), len(c))]
                          for c in continuations]
