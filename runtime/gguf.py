@@ -324,10 +324,11 @@ def import_gguf(path: str | Path, out: str | Path) -> Path:
     return out
 
 
-def file_digest(path: str | Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """The file's SHA-256, read in blocks (an import's cache key; engine files' checksums)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
+        for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -346,7 +347,7 @@ def cached_import(path: str | Path, cache_dir: str | Path | None = None) -> Path
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "gguf"
-    target = root / f"{file_digest(path)[:32]}-v{IMPORTER_VERSION}"
+    target = root / f"{sha256_file(path)[:32]}-v{IMPORTER_VERSION}"
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)

@@ -8,23 +8,15 @@ are missing or changed, naming the file, so a half-copied or edited engine never
 
 from __future__ import annotations
 
-import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..drafters import DRAFTERS, MODEL_FREE_DRAFTERS
+from ..gguf import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def package_versions(names: tuple[str, ...] = ("paradraft", "torch", "onnx", "onnxruntime",
