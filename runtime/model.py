@@ -798,7 +798,9 @@ def load_model(
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"{path}: checkpoint is missing weights for {missing[:5]}")
-    return model.to(device=device, dtype=dtype).eval()
+    # inference only: a parameter that requires grad would chain every step's cache writes
+    # into one autograd graph that grows for the whole generation
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def pad_vocab(model: Transformer, vocab_size: int, real_vocab: int) -> Transformer:

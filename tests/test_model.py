@@ -95,3 +95,13 @@ def test_rope_is_fp32_and_follows_the_positions_device(hf_models):
     exact = (pos[..., None].double() * model.inv_freq.double()).cos()
     assert cos.dtype == torch.bfloat16
     assert (cos[0, :, 0, : exact.shape[-1]].double() - exact[0]).abs().max() < 1e-2
+
+
+def test_loaded_models_build_no_autograd_graph(hf_models):
+    """Inference only: a cache written by a parameter that requires grad would chain every
+    step into one autograd graph, growing memory for the whole generation."""
+    ours = load_model(hf_models["llama"][1])
+    assert not any(p.requires_grad for p in ours.parameters())
+    cache = new_kv_cache(ours.config, 1, 16, torch.float32)
+    logits, _ = ours(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, kv_len=3)
+    assert not logits.requires_grad and not cache.k[0].requires_grad
