@@ -370,10 +370,13 @@ def tie_head(model, src_dir: Path) -> bool:
     head's columns (axis 1: [D, B, T]) and a Transpose of those few activations restores
     [B, T, D]. Returns whether it found a tied pair; the build's checks against torch run on
     the rewritten graph."""
-    from onnx import helper, numpy_helper
+    from onnx import helper, numpy_helper, shape_inference
 
     inits = {t.name: t for t in model.graph.initializer}
-    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in model.graph.input}
+    inferred = shape_inference.infer_shapes(weightless(model)).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*inferred.input, *inferred.value_info]
+             if v.type.tensor_type.HasField("shape")}
     gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
                and len(inits[n.input[0]].dims) == 2 and n.input[1] in ranks
                and all(a.name != "axis" or a.i == 0 for a in n.attribute)]
@@ -387,16 +390,19 @@ def tie_head(model, src_dir: Path) -> bool:
             if not np.array_equal(numpy_helper.to_array(head, str(src_dir)),
                                   numpy_helper.to_array(table, str(src_dir)).T):
                 continue
-            rank, out = ranks[gather.input[1]], gather.output[0]
-            gather.input[0] = head.name
-            del gather.attribute[:]
-            gather.attribute.append(helper.make_attribute("axis", 1))
-            gather.output[0] = f"{out}_columns"
-            transpose = helper.make_node("Transpose", [gather.output[0]], [out],
-                                         name=f"{gather.name}_rows",
-                                         perm=[*range(1, rank + 1), 0])
-            nodes = list(model.graph.node)
-            nodes.insert(nodes.index(gather) + 1, transpose)
+            # every lookup of the table (a fused k-step draft graph embeds k times)
+            nodes = []
+            for node in model.graph.node:
+                nodes.append(node)
+                if node in gathers and node.input[0] == table.name:
+                    rank, out = ranks[node.input[1]], node.output[0]
+                    node.input[0] = head.name
+                    del node.attribute[:]
+                    node.attribute.append(helper.make_attribute("axis", 1))
+                    node.output[0] = f"{out}_columns"
+                    nodes.append(helper.make_node("Transpose", [node.output[0]], [out],
+                                                  name=f"{node.name}_rows",
+                                                  perm=[*range(1, rank + 1), 0]))
             del model.graph.node[:]
             model.graph.node.extend(nodes)
             if not any(table.name in n.input for n in model.graph.node):

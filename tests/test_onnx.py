@@ -713,3 +713,32 @@ def test_build_makes_only_the_graphs_asked_and_refuses_a_missing_drafter(pair, t
     serve.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--engines", str(out)])
     assert serve.serve_config(args).drafter == "model"
+
+
+def test_a_tied_embedding_is_stored_once_in_every_graph(tmp_path):
+    """The exporter writes a tied embedding twice (the [V, D] table and the head's [D, V]
+    MatMul weight); tie_head keeps one, also in a fused k-step graph that embeds k times,
+    and the graphs still compute what torch does."""
+    import onnx
+
+    from paradraft.build.onnx import (
+        check_draft_steps,
+        check_graph,
+        export_draft_steps,
+        export_step,
+    )
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("llama", layers=2, vocab=1000, tie_word_embeddings=True)).eval()
+    model = load_model(save_hf(hf, tmp_path / "tied"))
+    assert model.config.tie_embeddings
+    for path, check in [
+        (export_step(model, tmp_path / "step.onnx"), lambda p: check_graph(model, p)),
+        (export_draft_steps(model, tmp_path / "steps3.onnx", 3),
+         lambda p: check_draft_steps(model, p, 3)),
+    ]:
+        graph = onnx.load(str(path), load_external_data=False).graph
+        vocab_sized = [t.name for t in graph.initializer if 1000 in t.dims]
+        assert len(vocab_sized) == 1, vocab_sized
+        assert check(path) < 1e-3
