@@ -1,7 +1,7 @@
 """Rule defaults calibrated to the verifier: the one-off measurement ``build`` stores in the
 engine manifest (and ``eval`` / ``tune`` report).
 
-The seed's rules compare the verifier's probabilities with fixed constants (τ 0.3 for
+The heuristic rules compare the verifier's probabilities with fixed constants (τ 0.3 for
 ``threshold``, τ_base 0.3 for ``dynamic``), which only suit a verifier as confident as the one
 they were chosen for: on a weaker verifier the argmax itself often falls below τ and those
 rules accept almost nothing. Calibration instead reads the verifier's own confidence at the
