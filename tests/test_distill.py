@@ -5,6 +5,7 @@ trained draft that the verifier accepts more often than an untrained one."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from conftest import sharpen, transformers
 from paradraft.cli.main import main
 from paradraft.runtime.checkpoints import load_draft
 from paradraft.runtime.model import load_model, new_kv_cache
-from paradraft.runtime.tools.distill import DistillConfig, distill
+from paradraft.runtime.tools.distill import (
+    DistillConfig,
+    batch_of,
+    distill,
+    distill_loss,
+    teacher_targets,
+)
 
 DEMO_VERIFIER = Path(__file__).resolve().parent.parent / "models" / "demo" / "verifier"
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -28,13 +35,16 @@ SMALL = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--kv-heads", "
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory) -> str:
-    """A random 2-layer Llama on the demo tokenizer (8192 ids), with a chat template."""
+    """A random 2-layer Llama on the demo tokenizer (8192 ids), with a chat template. Its head
+    is scaled so its next-token distributions are as peaked as a trained model's (top-1 mass
+    about 0.6): at the usual scale of 4 they are nearly flat (0.001), and soft targets would
+    then teach the draft no argmax."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=0, eos_token_id=0, pad_token_id=1, tie_word_embeddings=False)
-    model = sharpen(transformers.LlamaForCausalLM(config).eval(), 4.0)
+    model = sharpen(transformers.LlamaForCausalLM(config).eval(), 40.0)
     path = tmp_path_factory.mktemp("verifier")
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -107,3 +117,63 @@ def test_distill_refuses_bad_settings(verifier_dir, tmp_path):
         DistillConfig(verifier=verifier_dir, out=str(tmp_path), data_share=1.5)
     with pytest.raises(ValueError, match="mask_token_id"):
         distill(DistillConfig(verifier=verifier_dir, out=str(tmp_path / "x"), mask_token_id=3))
+
+
+def test_teacher_targets_are_the_verifiers_topk_and_line_up_with_labels(verifier_dir, tmp_path):
+    """The soft targets are transformers' top-k of the verifier at each generated position,
+    and batch_of puts them where the label they predict is: on a greedy continuation the
+    teacher's top-1 is the label itself."""
+    cfg = DistillConfig(verifier=verifier_dir, out=str(tmp_path), teacher_topk=5,
+                        train_len=16, batch_rows=6, prompt_weight=0.25)
+    cfg.work.mkdir(parents=True)
+    verifier = load_model(verifier_dir).requires_grad_(False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(verifier_dir,
+                                                           dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    seqs = []
+    for n, new in [(5, 20), (9, 6), (3, 30)]:  # prompt lengths and continuation lengths
+        prompt = torch.randint(3, 8192, (1, n))
+        with torch.no_grad():
+            ids = hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        seqs.append({"ids": ids[0].tolist(), "prompt_len": n})
+    teacher_targets(cfg, verifier, seqs)
+    for s in seqs:
+        n = s["prompt_len"]
+        with torch.no_grad():
+            want = hf(torch.tensor([s["ids"]])).logits[0, n - 1:-1].topk(5, dim=-1)
+        ids, probs = s["teacher"]
+        assert torch.equal(ids.long(), want.indices)
+        torch.testing.assert_close(probs.float(), want.values.softmax(-1), atol=2e-3, rtol=0)
+    # resumed from .work/teacher.pt: the same targets without the verifier running again
+    again = [{k: v for k, v in s.items() if k != "teacher"} for s in seqs]
+    teacher_targets(cfg, None, again)  # type: ignore[arg-type]
+    assert all(torch.equal(a["teacher"][0], s["teacher"][0])
+               for a, s in zip(again, seqs, strict=True))
+
+    batch = batch_of(seqs, random.Random(0), cfg, pad_id=1, mask_token_id=None)
+    soft = batch["soft"]
+    assert soft.any() and (batch["weights"][soft] == 1).all()
+    assert torch.equal(batch["soft_ids"][..., 0][soft], batch["labels"][soft])
+    assert (batch["weights"][~soft & (batch["weights"] > 0)] == 0.25).all()  # prompt targets
+
+
+def test_distill_loss_is_cross_entropy_towards_the_targets():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    labels = torch.randint(0, 11, (2, 3))
+    soft_ids = torch.stack([torch.randperm(11)[:4] for _ in range(6)]).view(2, 3, 4)
+    soft_probs = torch.rand(2, 3, 4).softmax(-1)
+    weights = torch.tensor([[1.0, 1.0, 0.1], [0.0, 1.0, 1.0]])
+    soft = torch.tensor([[True, False, False], [False, True, True]])
+    batch = {"labels": labels, "weights": weights, "soft_ids": soft_ids,
+             "soft_probs": soft_probs, "soft": soft}
+    logp = logits.log_softmax(-1)
+    per_token = torch.where(soft, -(soft_probs * logp.gather(-1, soft_ids)).sum(-1),
+                            -logp.gather(-1, labels[..., None])[..., 0])
+    want = (per_token * weights).sum() / weights.sum()
+    torch.testing.assert_close(distill_loss(logits, batch), want)
+    # a one-hot soft target on the label is the hard loss
+    one_hot = {**batch, "soft": torch.ones_like(soft), "soft_ids": labels[..., None],
+               "soft_probs": torch.ones(2, 3, 1)}
+    hard = {**batch, "soft": torch.zeros_like(soft)}
+    torch.testing.assert_close(distill_loss(logits, one_hot), distill_loss(logits, hard))

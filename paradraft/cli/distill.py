@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-rows", type=int, default=8, help="training rows per step")
     p.add_argument("--train-len", type=int, default=256, help="training window in tokens")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--teacher-topk", type=int, default=32,
+                   help="train towards the verifier's top-k next-token distribution at each "
+                        "generated position (0: towards its tokens only)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="--kind parallel: the mask token (default: the tokenizer's mask_token)")
     p.add_argument("--eval-prompts", type=int, default=16,
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> None:
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
         intermediate_size=args.intermediate_size, gen_batch=args.gen_batch,
         max_new_tokens=args.max_new_tokens, batch_rows=args.batch_rows,
-        train_len=args.train_len, lr=args.lr, mask_token_id=args.mask_token_id,
+        train_len=args.train_len, lr=args.lr, teacher_topk=args.teacher_topk,
+        mask_token_id=args.mask_token_id,
         eval_prompts=args.eval_prompts, save_dtype=args.save_dtype, seed=args.seed))
     print(json.dumps({k: v for k, v in metrics.items() if k != "training"}
                      | {"training": {k: v for k, v in metrics["training"].items()

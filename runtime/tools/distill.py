@@ -1,6 +1,6 @@
 """Train a small draft for a verifier on the verifier's own outputs (DistillSpec-style).
 
-Three phases, each resumable from ``<out>/.work/``:
+Four phases, each resumable from ``<out>/.work/``:
 
 1. **Data.** The verifier continues chat prompts, greedy and sampled, through our own
    ``SpeculativeDecoder`` in plain (no-draft) mode. Prompts come from a JSONL file
@@ -9,12 +9,15 @@ Three phases, each resumable from ``<out>/.work/``:
    (questions to ask, paragraphs, small programs), and its paragraphs and programs become the
    inputs of input-grounded tasks (summarize, rewrite, fix, explain). Held-out prompts (a
    topic, or a prompt of the file, chosen by hash) never reach training.
-2. **Training.** The draft predicts the verifier's tokens: cross-entropy on the generated
-   positions (the greedy ones are the verifier's argmax; the sampled ones are draws from its
-   distribution, so their expected gradient is the KL towards it), plus a small weight on the
-   prompt's own tokens. ``parallel`` trains a PARD draft: the last k−1 inputs of each window are
-   the mask token, and every output still predicts the next real token.
-3. **Check.** Held-out acceptance with the real decoder: greedy rule, the draft at K=4.
+2. **Teacher targets.** One teacher-forced pass of the verifier over the training sequences
+   keeps its top-k next-token distribution at every generated position.
+3. **Training.** The draft learns the verifier's distribution: cross-entropy towards its
+   top-k at the generated positions (forward KL up to the teacher's entropy; with
+   ``teacher_topk=0``, towards the tokens it emitted, greedy ones being its argmax and sampled
+   ones draws from it), plus a small weight on the prompt's own tokens. ``parallel`` trains a
+   PARD draft: the last k−1 inputs of each window are the mask token, and every output still
+   predicts the next real token.
+4. **Check.** Held-out acceptance with the real decoder: greedy rule, the draft at K=4.
 
 The draft is a standard ``LlamaForCausalLM`` with the verifier's tokenizer and full vocabulary
 and a tied embedding started from the verifier's, projected onto its top principal directions
@@ -39,7 +42,7 @@ from tqdm import tqdm
 from ..checkpoints import chat_stop_token_ids, format_chat, load_draft, load_tokenizer
 from ..correction import RuleParams
 from ..drafters import Drafter
-from ..model import Transformer, load_config, load_model
+from ..model import Transformer, load_config, load_model, new_kv_cache
 from ..speculative import SpeculativeDecoder
 
 KINDS = ("model", "parallel")
@@ -127,6 +130,7 @@ class DistillConfig:
     train_len: int = 256
     lr: float = 2e-3
     prompt_weight: float = 0.1
+    teacher_topk: int = 32  # soft targets: the verifier's top-k distribution (0: its tokens)
     mask_token_id: int | None = None
     eval_prompts: int = 16
     eval_k: int = 4
@@ -147,6 +151,8 @@ class DistillConfig:
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"save_dtype must be float32, bfloat16 or float16; got "
                              f"{self.save_dtype!r}")
+        if self.teacher_topk < 0:
+            raise ValueError(f"teacher_topk must be >= 0; got {self.teacher_topk}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must divide by num_heads, and num_heads by "
                              f"num_kv_heads; got {self.hidden_size}, {self.num_heads}, "
@@ -362,6 +368,50 @@ def generate_data(cfg: DistillConfig, verifier: Transformer) -> list[dict]:
     return seqs
 
 
+@torch.inference_mode()
+def teacher_targets(cfg: DistillConfig, verifier: Transformer, seqs: list[dict]) -> None:
+    """Attach the verifier's top-``teacher_topk`` next-token distribution at every generated
+    position of each sequence (``s["teacher"]``: ids [n, k], probabilities [n, k] renormalised
+    over the k). A soft target carries the verifier's whole ranking, not only the token it
+    emitted, so each generated token teaches the draft more. Teacher-forced in batches of
+    similar length; kept in ``.work/teacher.pt`` so a stopped run resumes."""
+    k = cfg.teacher_topk
+    if k == 0:
+        return
+    path = cfg.work / "teacher.pt"
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        done = saved["targets"] if saved["topk"] == k else {}
+    todo = sorted((i for i in range(len(seqs)) if i not in done),
+                  key=lambda i: len(seqs[i]["ids"]))
+    rows = 4  # [4, 512, V] fp32 logits is 400 MB for a 49k vocabulary
+    bar = tqdm(total=len(seqs), initial=len(done), desc="teacher", unit="seq", mininterval=5)
+    last_save = time.time()
+    for start in range(0, len(todo), rows):
+        chunk = todo[start:start + rows]
+        T = max(len(seqs[i]["ids"]) for i in chunk)
+        tokens = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, i in enumerate(chunk):
+            tokens[b, :len(seqs[i]["ids"])] = torch.tensor(seqs[i]["ids"])
+        dtype = next(verifier.parameters()).dtype
+        cache = new_kv_cache(verifier.config, len(chunk), T, dtype)
+        positions = torch.arange(T).expand(len(chunk), T)
+        logits, _ = verifier(tokens, positions, cache, kv_len=T)
+        for b, i in enumerate(chunk):
+            n, L = seqs[i]["prompt_len"], len(seqs[i]["ids"])
+            top = logits[b, n - 1:L - 1].topk(k, dim=-1)  # predictions of tokens n..L-1
+            done[i] = (top.indices.to(torch.int32), top.values.softmax(-1).half())
+        bar.update(len(chunk))
+        if time.time() - last_save > 60:
+            torch.save({"topk": k, "targets": done}, path)
+            last_save = time.time()
+    bar.close()
+    torch.save({"topk": k, "targets": done}, path)
+    for i, s in enumerate(seqs):
+        s["teacher"] = done[i]
+
+
 # -- the draft -------------------------------------------------------------------------------
 
 
@@ -434,16 +484,21 @@ def resolve_mask_token(cfg: DistillConfig) -> int | None:
 
 
 def batch_of(seqs: list[dict], rng: random.Random, cfg: DistillConfig, pad_id: int,
-             mask_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs, labels, weights) [rows, T]: a window per sequence ending inside its
-    continuation; weight 1 on generated targets, ``prompt_weight`` on prompt targets. PARD:
-    the window's last k−1 inputs become the mask token (k uniform in [2, 8]); each output
-    still predicts the next real token, so the labels do not change."""
+             mask_token_id: int | None) -> dict[str, torch.Tensor]:
+    """One training batch [rows, T]: a window per sequence ending inside its continuation.
+    ``labels`` and ``weights``: weight 1 on generated targets, ``prompt_weight`` on prompt
+    targets. ``soft_ids`` / ``soft_probs`` [rows, T, k] and ``soft``: the verifier's top-k at
+    generated targets, where the sequence has them. PARD: the window's last k−1 inputs become
+    the mask token (k uniform in [2, 8]); each output still predicts the next real token, so
+    the targets do not change."""
     rows = [rng.choice(seqs) for _ in range(cfg.batch_rows)]
-    T = cfg.train_len
+    T, k = cfg.train_len, max(cfg.teacher_topk, 1)
     inputs = torch.full((len(rows), T), pad_id, dtype=torch.long)
     labels = torch.zeros((len(rows), T), dtype=torch.long)
     weights = torch.zeros((len(rows), T))
+    soft_ids = torch.zeros((len(rows), T, k), dtype=torch.long)
+    soft_probs = torch.zeros((len(rows), T, k))
+    soft = torch.zeros((len(rows), T), dtype=torch.bool)
     for b, s in enumerate(rows):
         ids, n = s["ids"], s["prompt_len"]
         end = rng.randint(min(n + 1, len(ids) - 1), len(ids) - 1)  # last target index
@@ -453,10 +508,29 @@ def batch_of(seqs: list[dict], rng: random.Random, cfg: DistillConfig, pad_id: i
         inputs[b, :L], labels[b, :L] = x[:-1], x[1:]
         target_pos = torch.arange(start + 1, end + 1)
         weights[b, :L] = torch.where(target_pos >= n, 1.0, cfg.prompt_weight)
+        if "teacher" in s:
+            first = max(n, start + 1)  # the first generated target in the window
+            teacher_ids, teacher_probs = s["teacher"]
+            span = slice(first - start - 1, L)
+            soft_ids[b, span] = teacher_ids[first - n:end + 1 - n].long()
+            soft_probs[b, span] = teacher_probs[first - n:end + 1 - n].float()
+            soft[b, span] = True
         if mask_token_id is not None:
-            k = rng.randint(2, PARALLEL_MAX_K)
-            inputs[b, max(0, L - (k - 1)):L] = mask_token_id
-    return inputs, labels, weights
+            m = rng.randint(2, PARALLEL_MAX_K)
+            inputs[b, max(0, L - (m - 1)):L] = mask_token_id
+    return {"inputs": inputs, "labels": labels, "weights": weights, "soft_ids": soft_ids,
+            "soft_probs": soft_probs, "soft": soft}
+
+
+def distill_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Weighted mean over targets of the cross-entropy towards the verifier: its top-k
+    distribution where the batch has one (forward KL up to the teacher's entropy), its token
+    elsewhere."""
+    log_z = logits.logsumexp(-1)
+    hard = log_z - logits.gather(-1, batch["labels"][..., None])[..., 0]
+    soft = log_z - (batch["soft_probs"] * logits.gather(-1, batch["soft_ids"])).sum(-1)
+    per_token = torch.where(batch["soft"], soft, hard)
+    return (per_token * batch["weights"]).sum() / batch["weights"].sum()
 
 
 def agreement(model, seqs: list[dict], cfg: DistillConfig, mask_token_id: int | None,
@@ -527,16 +601,14 @@ def train(cfg: DistillConfig, model, train_seqs: list[dict], heldout: list[dict]
         for group in opt.param_groups:
             group["lr"] = lr
         rng = random.Random(cfg.seed * 1_000_003 + state["step"])
-        inputs, labels, weights = batch_of(train_seqs, rng, cfg, pad_id, mask_token_id)
-        logits = model(inputs).logits
-        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        loss = (per_token * weights.flatten()).sum() / weights.sum()
+        batch = batch_of(train_seqs, rng, cfg, pad_id, mask_token_id)
+        loss = distill_loss(model(batch["inputs"]).logits, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         state["step"] += 1
-        state["tokens"] += int((weights > 0).sum())
+        state["tokens"] += int((batch["weights"] > 0).sum())
         value = loss.item()
         state["loss"] = value if state["loss"] is None else 0.95 * state["loss"] + 0.05 * value
         if held and state["step"] % 50 == 0:
@@ -636,6 +708,9 @@ def distill(cfg: DistillConfig) -> dict:
     heldout = [s for s in seqs if s["heldout"] and len(s["ids"]) > s["prompt_len"]]
     if not train_seqs:
         raise ValueError("no training data was generated: raise --minutes or --max-sequences")
+    teacher_t0 = time.time()
+    teacher_targets(cfg, verifier, train_seqs)
+    teacher_seconds = time.time() - teacher_t0
     pad_id = load_json(Path(cfg.verifier) / "config.json", {}).get("pad_token_id") or 0
     model = new_draft(cfg, verifier, mask_token_id)
     untrained = agreement(model, [s for s in heldout if s["greedy"]][:32], cfg, mask_token_id,
@@ -652,6 +727,8 @@ def distill(cfg: DistillConfig) -> dict:
             "greedy_sequences": sum(s["greedy"] for s in train_seqs),
             "seconds": round(load_json(cfg.work / "data_state.json", {})["seconds"], 1),
         },
+        "teacher_topk": cfg.teacher_topk,
+        "teacher_seconds_this_run": round(teacher_seconds, 1),
         "untrained_heldout_teacher_forced_acceptance": untrained,
         "training": result,
         "heldout_decoder_acceptance": measured_acceptance(cfg, verifier, out, heldout),
