@@ -18,9 +18,12 @@ from paradraft.runtime.checkpoints import load_draft
 from paradraft.runtime.model import load_model, new_kv_cache
 from paradraft.runtime.tools.distill import (
     DistillConfig,
+    batch_at_targets,
     batch_of,
     distill,
     distill_loss,
+    new_draft,
+    target_logits,
     teacher_targets,
 )
 
@@ -115,6 +118,8 @@ def test_distill_refuses_bad_settings(verifier_dir, tmp_path):
         DistillConfig(verifier=verifier_dir, out=str(tmp_path), kind="tree")
     with pytest.raises(ValueError, match="data_share"):
         DistillConfig(verifier=verifier_dir, out=str(tmp_path), data_share=1.5)
+    with pytest.raises(ValueError, match="train_dtype"):
+        DistillConfig(verifier=verifier_dir, out=str(tmp_path), train_dtype="int8")
     with pytest.raises(ValueError, match="mask_token_id"):
         distill(DistillConfig(verifier=verifier_dir, out=str(tmp_path / "x"), mask_token_id=3))
 
@@ -155,6 +160,14 @@ def test_teacher_targets_are_the_verifiers_topk_and_line_up_with_labels(verifier
     assert soft.any() and (batch["weights"][soft] == 1).all()
     assert torch.equal(batch["soft_ids"][..., 0][soft], batch["labels"][soft])
     assert (batch["weights"][~soft & (batch["weights"] > 0)] == 0.25).all()  # prompt targets
+
+    # the head runs at weighted targets only; the loss is the one over the whole window
+    model = new_draft(cfg, verifier, None).float().eval()
+    with torch.no_grad():
+        full = distill_loss(model(batch["inputs"]).logits, batch)
+        at_targets = distill_loss(target_logits(model, batch), batch_at_targets(batch))
+    assert (batch["weights"] == 0).any()  # some padding was skipped
+    torch.testing.assert_close(at_targets, full)
 
 
 def test_distill_loss_is_cross_entropy_towards_the_targets():

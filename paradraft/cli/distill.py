@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="held-out prompts for the final acceptance check (0: skip)")
     p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
                    default="bfloat16")
+    p.add_argument("--train-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="training matmuls (auto: bfloat16 where the CPU has bf16 instructions)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens, batch_rows=args.batch_rows,
         train_len=args.train_len, lr=args.lr, teacher_topk=args.teacher_topk,
         mask_token_id=args.mask_token_id,
-        eval_prompts=args.eval_prompts, save_dtype=args.save_dtype, seed=args.seed))
+        eval_prompts=args.eval_prompts, save_dtype=args.save_dtype,
+        train_dtype=args.train_dtype, seed=args.seed))
     print(json.dumps({k: v for k, v in metrics.items() if k != "training"}
                      | {"training": {k: v for k, v in metrics["training"].items()
                                      if k != "history"}}, indent=2))
