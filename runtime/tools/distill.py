@@ -44,6 +44,7 @@ from ..correction import RuleParams
 from ..drafters import Drafter
 from ..model import Transformer, load_config, load_model, new_kv_cache
 from ..speculative import SpeculativeDecoder
+from .train_loop import Schedule, train_loop
 
 KINDS = ("model", "parallel")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -167,10 +168,6 @@ class DistillConfig:
     @property
     def work(self) -> Path:
         return Path(self.out) / ".work"
-
-
-def log(msg: str) -> None:
-    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}")
 
 
 def is_heldout(key: str, seed: int, share: float) -> bool:
@@ -577,82 +574,33 @@ def agreement(model, seqs: list[dict], cfg: DistillConfig, mask_token_id: int | 
     return hits / max(total, 1)
 
 
-def lr_at(step: int, progress: float, peak: float, warmup: int = 30) -> float:
-    return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
-        math.pi * min(progress, 1.0))))
-
-
 def train(cfg: DistillConfig, model, train_seqs: list[dict], heldout: list[dict],
           mask_token_id: int | None, pad_id: int) -> dict:
-    """Optimise until ``steps`` or the training budget; checkpoints every ``ckpt_minutes``."""
-    ckpt_file = cfg.work / "train_ckpt.pt"
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
-                            weight_decay=0.01)
-    state = {"step": 0, "seconds": 0.0, "tokens": 0, "loss": None, "history": []}
-    if ckpt_file.is_file():
-        saved = torch.load(ckpt_file, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        log(f"resumed training at step {state['step']}")
-    budget = cfg.minutes * 60 * (1 - cfg.data_share)
+    """Optimise until ``steps`` or the training budget (the shared ``train_loop``); held-out
+    teacher-forced agreement every 50 steps."""
     held = [s for s in heldout if s["greedy"]][:32]
     bf16 = cfg.train_dtype == "bfloat16" or (
         cfg.train_dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
-    def save() -> None:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "state": state}, ckpt_file.with_suffix(".tmp"))
-        ckpt_file.with_suffix(".tmp").replace(ckpt_file)
-
-    bar = tqdm(total=cfg.steps or round(budget), desc="train", unit="step" if cfg.steps else "s",
-               initial=state["step"] if cfg.steps else min(round(state["seconds"]),
-                                                              round(budget)), mininterval=5)
-    t0, last_ckpt = time.time() - state["seconds"], time.time()
-    acc = agreement(model, held, cfg, mask_token_id, pad_id) if held else None
-    model.train()
-    while True:
-        state["seconds"] = time.time() - t0
-        if cfg.steps is not None and state["step"] >= cfg.steps:
-            break
-        if cfg.steps is None and state["seconds"] >= budget:
-            break
-        progress = state["step"] / cfg.steps if cfg.steps else state["seconds"] / budget
-        lr = lr_at(state["step"], progress, cfg.lr)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        rng = random.Random(cfg.seed * 1_000_003 + state["step"])
-        batch = batch_of(train_seqs, rng, cfg, pad_id, mask_token_id)
+    def loss_fn(step: int) -> tuple[torch.Tensor, dict[str, float], int]:
+        batch = batch_of(train_seqs, random.Random(cfg.seed * 1_000_003 + step), cfg, pad_id,
+                         mask_token_id)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = distill_loss(target_logits(model, batch), batch_at_targets(batch))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        state["step"] += 1
-        state["tokens"] += int((batch["weights"] > 0).sum())
-        value = loss.item()
-        state["loss"] = value if state["loss"] is None else 0.95 * state["loss"] + 0.05 * value
-        if held and state["step"] % 50 == 0:
-            acc = agreement(model, held, cfg, mask_token_id, pad_id)
-            state["history"].append({"step": state["step"], "loss": round(state["loss"], 4),
-                                     "heldout_acceptance": round(acc, 4),
-                                     "seconds": round(time.time() - t0, 1)})
-        bar.update((state["step"] if cfg.steps else min(round(time.time() - t0), round(budget)))
-                   - bar.n)
-        bar.set_postfix(step=state["step"], loss=f"{state['loss']:.3f}",
-                        acc="-" if acc is None else f"{acc:.3f}", lr=f"{lr:.1e}")
-        if time.time() - last_ckpt >= cfg.ckpt_minutes * 60:
-            state["seconds"] = time.time() - t0
-            save()
-            last_ckpt = time.time()
-    bar.close()
-    save()
-    model.eval()
-    acc = agreement(model, held, cfg, mask_token_id, pad_id) if held else None
-    return {"steps": state["step"], "train_seconds": round(state["seconds"], 1),
-            "target_tokens_seen": state["tokens"], "final_loss_ema": state["loss"],
-            "heldout_teacher_forced_acceptance": acc, "history": state["history"]}
+        return loss, {}, int((batch["weights"] > 0).sum())
+
+    def evaluate() -> dict[str, float]:
+        return {"heldout_acceptance": agreement(model, held, cfg, mask_token_id, pad_id)}
+
+    result = train_loop(
+        model, loss_fn, Schedule(lr=cfg.lr), ckpt_file=cfg.work / "train_ckpt.pt",
+        desc="train", max_steps=cfg.steps,
+        budget_s=math.inf if cfg.steps is not None else cfg.minutes * 60 * (1 - cfg.data_share),
+        ckpt_minutes=cfg.ckpt_minutes, history_every=50, evaluate=evaluate if held else None)
+    result["bf16_autocast"] = bf16
+    result["heldout_teacher_forced_acceptance"] = evaluate()["heldout_acceptance"] if held \
+        else None
+    return result
 
 
 # -- output and the check --------------------------------------------------------------------
