@@ -26,6 +26,12 @@ elapsed / budget), so the LR is fully decayed whichever limit ends the stage, ev
 is shared and its speed varies.  Batches are a pure function of (seed, stage, step), so a run
 with a step limit that binds before its time budget is reproducible from the random seed; the step
 counts of each run are recorded in ``training_metrics.json``.
+
+The optimisation itself (AdamW, schedule, budgets, checkpoints) is the shared loop of
+``paradraft.runtime.tools.train_loop``, the one ``paradraft distill`` trains through; this
+script keeps what only the demo needs: the corpus, the tokenizer, the verifier trained from
+scratch with its early-exit loss, and drafts trained on text windows before any verifier
+output exists. A draft for any other verifier comes from ``paradraft distill``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import random
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +54,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from paradraft.runtime.tools.distill import is_heldout, save_json
+from paradraft.runtime.tools.train_loop import LossFn, Schedule, ThreadTuner, log, train_loop
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<pad>"
@@ -125,11 +133,6 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def log(msg: str) -> None:
-    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stdout)
-    sys.stdout.flush()
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -138,12 +141,6 @@ def seed_everything(seed: int) -> None:
 
 def load_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def save_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
 
 
 def update_metrics(cfg: RunConfig, key: str, value: object) -> None:
@@ -186,11 +183,6 @@ def list_corpus_files(root: Path) -> list[str]:
             if name.endswith(".py"):
                 files.append(os.path.relpath(os.path.join(dirpath, name), root))
     return sorted(files)
-
-
-def is_heldout(rel_path: str, seed: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{seed}:{rel_path}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def read_source(path: Path) -> str:
@@ -510,184 +502,21 @@ def mask_tail(x: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, 
 
 
 # --------------------------------------------------------------------------------------------
-# generic training loop with wall-clock budget and resumable checkpoints
+# training: the shared loop of paradraft.runtime.tools.train_loop (distill trains through it)
 # --------------------------------------------------------------------------------------------
 
 
-def make_optimizer(model: torch.nn.Module, sc: StageConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": sc.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=sc.lr, betas=sc.betas, eps=1e-8)
-
-
-def stage_progress(step: int, elapsed: float, sc: StageConfig) -> float:
-    by_steps = step / sc.max_steps if sc.max_steps else 0.0
-    by_time = elapsed / (sc.minutes * 60.0)
-    return min(1.0, max(by_steps, by_time))
-
-
-def lr_at(step: int, progress: float, sc: StageConfig) -> float:
-    warmup = min(1.0, (step + 1) / sc.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return sc.lr * warmup * (sc.min_lr_ratio + (1.0 - sc.min_lr_ratio) * cosine)
-
-
-def ckpt_path(cfg: RunConfig, stage: str) -> Path:
-    return cfg.work / f"{stage}_ckpt.pt"
-
-
-def save_checkpoint(cfg: RunConfig, stage: str, model: torch.nn.Module,
-                    opt: torch.optim.Optimizer, state: dict) -> None:
-    payload = {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "state": state,
-        "torch_rng": torch.get_rng_state(),
-        "numpy_rng": np.random.get_state(),
-        "python_rng": random.getstate(),
-    }
-    tmp = ckpt_path(cfg, stage).with_suffix(".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(ckpt_path(cfg, stage))
-
-
-def load_checkpoint(cfg: RunConfig, stage: str, model: torch.nn.Module,
-                    opt: torch.optim.Optimizer) -> dict | None:
-    path = ckpt_path(cfg, stage)
-    if not (cfg.resume and path.exists()):
-        return None
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    opt.load_state_dict(payload["optimizer"])
-    torch.set_rng_state(payload["torch_rng"])
-    np.random.set_state(payload["numpy_rng"])
-    random.setstate(payload["python_rng"])
-    log(f"resumed {stage} from {path} at step {payload['state']['step']}")
-    return payload["state"]
-
-
-class ThreadTuner:
-    """Re-picks torch's intra-op thread count (1..max) from measured step times.
-
-    On a CPU shared with other (higher-priority) jobs one thread is often faster than two,
-    because every parallel op waits for its slowest thread.  Every ``period`` steps each
-    candidate runs ``probe`` real training steps; the fastest is kept until the next probe.
-    """
-
-    def __init__(self, max_threads: int, enabled: bool, period: int = 80,
-                 probe: int = 3) -> None:
-        self.options = list(range(1, max_threads + 1)) if enabled else [max_threads]
-        self.period, self.probe = period, probe
-        self.best = max_threads
-        self.times: dict[int, list[float]] = {}
-        torch.set_num_threads(max_threads)
-
-    def before_step(self, step: int) -> None:
-        if len(self.options) == 1:
-            return
-        phase = step % self.period
-        n_probe = self.probe * len(self.options)
-        if phase == 0:
-            self.times = {}
-        if phase < n_probe:
-            torch.set_num_threads(self.options[phase // self.probe])
-        elif phase == n_probe and self.times:
-            self.best = min(self.times, key=lambda t: float(np.mean(self.times[t])))
-            torch.set_num_threads(self.best)
-
-    def after_step(self, step: int, seconds: float) -> None:
-        phase = step % self.period
-        # the first step after a switch is not timed
-        if len(self.options) > 1 and phase < self.probe * len(self.options) \
-                and phase % self.probe != 0:
-            self.times.setdefault(torch.get_num_threads(), []).append(seconds)
-
-
-LossFn = Callable[[int], tuple[torch.Tensor, dict[str, float], int]]
-
-
-def train_loop(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
-               loss_fn: LossFn) -> dict:
-    """Run optimisation steps until the step limit or the wall budget is reached.
-
-    ``loss_fn(step)`` builds the step's batch deterministically from the step index and returns
-    (loss, scalars to log, tokens in the batch).
-    """
-    opt = make_optimizer(model, sc)
-    state = load_checkpoint(cfg, sc.name, model, opt) or {
-        "step": 0, "elapsed": 0.0, "tokens": 0,
-        "loss_ema": None, "scalar_ema": {}, "history": [],
-    }
-    budget = sc.minutes * 60.0
-    model.train()
-    # the bar counts seconds of the wall budget; steps are shown in the postfix
-    bar = tqdm(total=round(budget), initial=round(state["elapsed"]), desc=sc.name,
-               unit="s", mininterval=10, ncols=110)
-    t_start = time.time() - state["elapsed"]
-    last_ckpt = time.time()
-    tuner = ThreadTuner(cfg.max_threads, cfg.tune_threads)
-    stop_reason = "steps"
-    while True:
-        step = state["step"]
-        elapsed = time.time() - t_start
-        if sc.max_steps is not None and step >= sc.max_steps:
-            stop_reason = "steps"
-            break
-        if elapsed >= budget:
-            stop_reason = "wall_clock"
-            break
-        lr = lr_at(step, stage_progress(step, elapsed, sc), sc)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        tuner.before_step(step)
-        t_step = time.time()
-        loss, scalars, n_tok = loss_fn(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.grad_clip).item()
-        opt.step()
-        tuner.after_step(step, time.time() - t_step)
-        state["step"] = step + 1
-        state["tokens"] += n_tok
-        value = loss.item()
-        ema = state["loss_ema"]
-        state["loss_ema"] = value if ema is None else 0.98 * ema + 0.02 * value
-        for k, v in scalars.items():
-            old = state["scalar_ema"].get(k)
-            state["scalar_ema"][k] = v if old is None else 0.98 * old + 0.02 * v
-        bar.update(min(round(time.time() - t_start), round(budget)) - bar.n)
-        bar.set_postfix(step=state["step"], loss=f"{state['loss_ema']:.3f}", lr=f"{lr:.2e}")
-
-        if state["step"] % 25 == 0:
-            elapsed = time.time() - t_start
-            entry = {"step": state["step"], "loss_ema": round(state["loss_ema"], 4),
-                     "lr": lr, "grad_norm": round(grad_norm, 3), "elapsed": round(elapsed, 1),
-                     "threads": torch.get_num_threads(),
-                     **{k: round(v, 4) for k, v in scalars.items()}}
-            state["history"].append(entry)
-            log(f"{sc.name} " + " ".join(f"{k}={v}" for k, v in entry.items())
-                + f" tok/s={state['tokens'] / max(elapsed, 1e-9):.0f}")
-        if time.time() - last_ckpt >= cfg.ckpt_minutes * 60.0:
-            state["elapsed"] = time.time() - t_start
-            save_checkpoint(cfg, sc.name, model, opt, state)
-            last_ckpt = time.time()
-    bar.close()
-    state["elapsed"] = time.time() - t_start
-    save_checkpoint(cfg, sc.name, model, opt, state)
-    model.eval()
-    return {
-        "steps": state["step"],
-        "max_steps": sc.max_steps,
-        "stop_reason": stop_reason,
-        "tokens_seen": state["tokens"],
-        "wall_seconds": round(state["elapsed"], 1),
-        "final_train_loss_ema": round(state["loss_ema"], 4) if state["loss_ema"] else None,
-        "final_train_scalars_ema": {k: round(v, 4) for k, v in state["scalar_ema"].items()},
-        "history": state["history"],
-        "hyperparameters": {k: v for k, v in asdict(sc).items() if k != "name"},
-    }
+def train_stage(cfg: RunConfig, sc: StageConfig, model: torch.nn.Module,
+                loss_fn: LossFn) -> dict:
+    """One stage: until ``sc.max_steps`` or ``sc.minutes``, checkpointed in ``.work``."""
+    schedule = Schedule(lr=sc.lr, warmup_steps=sc.warmup_steps, min_lr_ratio=sc.min_lr_ratio,
+                        weight_decay=sc.weight_decay, betas=sc.betas, grad_clip=sc.grad_clip)
+    result = train_loop(model, loss_fn, schedule, ckpt_file=cfg.work / f"{sc.name}_ckpt.pt",
+                        desc=sc.name, max_steps=sc.max_steps, budget_s=sc.minutes * 60.0,
+                        resume=cfg.resume, ckpt_minutes=cfg.ckpt_minutes,
+                        tuner=ThreadTuner(cfg.max_threads, cfg.tune_threads))
+    result["hyperparameters"] = {k: v for k, v in asdict(sc).items() if k != "name"}
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -731,7 +560,7 @@ def train_verifier(cfg: RunConfig) -> None:
         return main + aux_weight * early, {"ce": main.item(), "early_ce": early.item()}, \
             inputs.numel()
 
-    result = train_loop(cfg, sc, model, loss_fn)
+    result = train_stage(cfg, sc, model, loss_fn)
     tap.remove()
     result["early_exit_weight"] = aux_weight
     result["self_draft_layers"] = SELF_DRAFT_LAYERS
@@ -762,7 +591,7 @@ def train_draft(cfg: RunConfig) -> None:
         hard = ce(s_logits, labels)
         return kl + ce_weight * hard, {"kl": kl.item(), "ce": hard.item()}, inputs.numel()
 
-    result = train_loop(cfg, sc, model, loss_fn)
+    result = train_stage(cfg, sc, model, loss_fn)
     result["ce_weight"] = ce_weight
     result["architecture"] = shape_of(model)
     result["eval"] = evaluate_draft(cfg, model, teacher)
@@ -800,7 +629,7 @@ def train_parallel(cfg: RunConfig) -> None:
                    "ce": hard[~is_mask].mean().item(), "mask_ce": hard[is_mask].mean().item()}
         return prefix_loss + mask_weight * mask_loss, scalars, inputs.numel()
 
-    result = train_loop(cfg, sc, model, loss_fn)
+    result = train_stage(cfg, sc, model, loss_fn)
     result["ce_weight"] = ce_weight
     result["mask_weight"] = mask_weight
     result["architecture"] = shape_of(model)
@@ -924,7 +753,7 @@ def train_selfdistill(cfg: RunConfig) -> None:
                 scalars["agree_mask"] = agree[is_mask].mean().item()
             return loss, scalars, inputs.numel()
 
-        result = train_loop(cfg, stage, model, loss_fn)
+        result = train_stage(cfg, stage, model, loss_fn)
         save_model(cfg, model, name)
         update_metrics(cfg, f"selfdistill_{name}", result)
         # each run of this stage continues from the folder's weights: keep every round
