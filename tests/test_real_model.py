@@ -5,7 +5,9 @@
   torch and ONNX engines, with every drafter the deployment has;
 - the ``exact`` rule keeps the real verifier's joint distribution of the first two tokens;
 - bfloat16 stays within tolerance of float32, and greedy speculation in bfloat16 equals plain
-  greedy decoding in bfloat16.
+  greedy decoding in bfloat16;
+- the shipped distilled draft reproduces the held-out acceptance its ``distill.json`` (and
+  model card) reports.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
 from paradraft.runtime.speculative import SpeculativeDecoder
+from paradraft.runtime.tools.distill import DistillConfig, measured_acceptance, read_prompt_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -188,3 +191,25 @@ def test_bfloat16_within_tolerance_and_lossless_in_its_own_dtype(smol, reference
         top2 = logits[0, -1].float().topk(2).values
         assert top2[0] - top2[1] <= 0.02 * top2[0].abs() + 0.125, (i, top2)
         assert got[i] in logits[0, -1].float().topk(2).indices.tolist()
+
+
+@pytest.mark.skipif(not (SHIPPED_DRAFT / "distill.json").is_file(), reason="no shipped draft")
+def test_shipped_draft_reproduces_its_model_cards_acceptance(smol):
+    """distill's own check, rerun: the first held-out prompts of the shipped training prompt
+    file, greedy, K as recorded, through the decoder with the shipped (saved) weights."""
+    card = json.loads((SHIPPED_DRAFT / "distill.json").read_text())
+    cfg = DistillConfig(**{**card["command_config"], "verifier": str(smol),
+                           "out": str(SHIPPED_DRAFT),
+                           "prompts": str(SHIPPED_DRAFT / "train_prompts.jsonl")})
+    keep = cfg.max_seq_len - cfg.max_new_tokens  # distill's data phase cuts prompts so
+    tokenizer = load_tokenizer(smol)
+    held = [tokenizer.encode(text, add_special_tokens=False).ids[-keep:]
+            for text, heldout in read_prompt_file(cfg) if heldout]
+    seqs = [{"ids": ids, "prompt_len": len(ids), "greedy": True} for ids in held]
+    got = measured_acceptance(cfg, load_model(smol), SHIPPED_DRAFT, seqs)
+    want = card["heldout_decoder_acceptance"]
+    assert got["prompts"] == want["prompts"]
+    # greedy and deterministic; near-ties of the fp32 verifier may flip across machines
+    assert got["acceptance"] == pytest.approx(want["acceptance"], abs=0.01)
+    assert got["tokens_per_verifier_step"] == pytest.approx(want["tokens_per_verifier_step"],
+                                                            abs=0.03)
