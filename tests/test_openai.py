@@ -59,7 +59,7 @@ def api(tmp_path_factory):
         raise
     yield server, triton, config, chat
     assert server.stop() == 0, (work / "openai.log").read_text()[-3000:]
-    assert triton.stop() == 0, triton.log.read_text()[-3000:]
+    assert triton.stop() == 0, triton.log_excerpt()
 
 
 @pytest.fixture(scope="module")

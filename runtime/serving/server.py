@@ -10,6 +10,7 @@ real ``tritonserver``. On a CPU machine that is the binary bundled in the ``nvid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,8 @@ TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
 MODELS = (MODEL,)
 # how long stop() lets the model instances end their requests before tritonserver exits
 STOP_WAIT_S = 10.0
+# tritonserver's log line, once a second while it waits to exit
+EXIT_COUNTDOWN = re.compile(r'"Timeout \d+: Found \d+ ')
 
 
 def site_packages() -> str:
@@ -201,10 +204,41 @@ class Server:
                 self.tell_instances("stop", min(timeout, STOP_WAIT_S))
                 self.process.send_signal(signal.SIGINT)  # tritonserver unloads and exits
                 self.process.wait(timeout)
-            except BaseException:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
+            except BaseException as e:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
+                if isinstance(e, subprocess.TimeoutExpired):
+                    self.log_stub_stacks()
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode
+
+    def log_stub_stacks(self, wait: float = 1.0) -> None:
+        """Have each model instance's stub process print its threads' stacks to the log
+        (the model registers SIGUSR1 for it): where an unload hung."""
+        stubs = child_pids(self.process.pid)
+        for pid in stubs:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(pid, signal.SIGUSR1)
+        if stubs:
+            time.sleep(wait)
+
+    def log_excerpt(self, chars: int = 6000) -> str:
+        """The log's end without tritonserver's once-a-second exit countdown, for error
+        messages: a hung exit fills the end of the log with it."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        kept = [line for line in lines if not EXIT_COUNTDOWN.search(line)]
+        return f"({len(lines) - len(kept)} countdown lines left out)\n" + \
+            "\n".join(kept)[-chars:]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux; none elsewhere)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
 
 
 def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.1",

@@ -25,10 +25,12 @@ Each model instance (``instance_group``) is a process of its own on its device, 
 scheduler and slots; its metrics carry its name. A control thread follows ``paradraft
 serve``'s drain and stop (``Server.drain``, ``Server.stop`` in runtime/serving/server.py)."""
 
+import faulthandler
 import functools
 import json
 import locale
 import queue
+import signal
 import site
 import threading
 import time
@@ -64,6 +66,14 @@ CONTROL_POLL_S = 0.1
 REFUSAL_DELAY_S = 0.02
 # how long finalize() waits for each of the instance's threads
 FINALIZE_WAIT_S = 5.0
+# how long the stub process may take to exit once finalize() returned (it exits in about a
+# second): past it, the stub prints every thread's stack to tritonserver's log and exits, so
+# that Triton, which waits for the stub before the model counts as unloaded, is not held to
+# its exit timeout and killed (seen twice under a full test suite's load, cause unknown)
+STUB_EXIT_WAIT_S = 8.0
+# `Server.stop` sends this to the stub when tritonserver does not exit in time: the stub
+# prints every thread's stack to the log (where it hung) before it is killed
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 class Metrics:
@@ -239,6 +249,7 @@ class TritonPythonModel:
         # the stub embeds Python without setting a locale, so open() without an encoding
         # would read ASCII; take the environment's (C.UTF-8, en_US.UTF-8, ...)
         locale.setlocale(locale.LC_CTYPE, "")
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
         from tokenizers import Tokenizer
 
         from paradraft.runtime.scheduler import QueueFull, Request, ShuttingDown
@@ -472,9 +483,11 @@ class TritonPythonModel:
 
     def finalize(self):
         # bounded waits, well inside Triton's 30 s exit timeout: a thread stuck in an IPC
-        # call while the model unloads must not hold tritonserver until it is killed (once,
+        # call while the model unloads must not hold tritonserver until it is killed (twice,
         # under a full test suite's load, the unload took 30 s); the threads are daemons and
-        # end with the stub
+        # end with the stub. The log lines and the exit watchdog say where the next one hangs.
+        began = time.perf_counter()
+        pb_utils.Logger.log_info(f"paradraft: {self.instance} unloading")
         self.closing.set()
         self.control_thread.join(timeout=FINALIZE_WAIT_S)
         self.scheduler.stop(timeout=FINALIZE_WAIT_S)
@@ -486,3 +499,6 @@ class TritonPythonModel:
         if stuck:
             pb_utils.Logger.log_warn(f"paradraft: unloading with {', '.join(stuck)} still "
                                      f"busy after {FINALIZE_WAIT_S} s")
+        pb_utils.Logger.log_info(f"paradraft: {self.instance} unloaded its threads in "
+                                 f"{time.perf_counter() - began:.1f} s")
+        faulthandler.dump_traceback_later(STUB_EXIT_WAIT_S, exit=True)
