@@ -40,9 +40,10 @@ smollm2: $(SMOLLM2_GGUF)
 
 # The main job on the CPU: build ONNX engines for SmolLM2-135M-Instruct (imported from the GGUF)
 # and its distilled draft (models/smollm2-draft, when present), start Triton and the OpenAI API,
-# stream one chat answer over gRPC and one through the openai client, print acceptance and
-# tok/s, stop the servers. The demo runs the model-free n-gram drafter: the distilled draft
-# (--drafter model) is in the engines but is still slower than plain decoding (its MODEL_CARD).
+# stream one chat answer over gRPC with the distilled draft (the server's drafter) and one through
+# the openai client with the n-gram lookup (named in the request), print acceptance and tok/s,
+# stop the servers. The draft is still slower than plain decoding (its MODEL_CARD); the lookup
+# is not.
 ENGINES := engines/smollm2
 DRAFT := $(wildcard models/smollm2-draft/config.json)
 
@@ -52,7 +53,7 @@ $(ENGINES)/manifest.json: $(STAMP) $(SMOLLM2_GGUF) $(DRAFT) build/onnx.py
 	    --max-seq-len 1024 --out $(ENGINES)
 
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
-	$(BIN)/paradraft demo --engines $(ENGINES) --drafter ngram --max-tokens 128
+	$(BIN)/paradraft demo --engines $(ENGINES) --max-tokens 128
 
 # PARADRAFT_REQUIRE_REAL: the real-weight tests fail, not skip, without the SmolLM2 file
 test: $(STAMP) $(TRITON) $(SMOLLM2_GGUF) imports

@@ -13,7 +13,8 @@ parameters); each round steps every group in turn. A request never waits for ano
 group to drain: with one parameter set (the usual case) a round is one batched step. Each
 request samples from its own counter-based stream (its seed and its tokens so far), so its
 output never depends on what runs beside it. K (``num_draft_tokens``) is per request; 0
-turns drafting off for that request alone.
+turns drafting off for that request alone. So is the drafter, where the decoder has an
+n-gram lookup beside a draft model (``lookup_drafts``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Request:
     on_tokens: Callable[[list[int]], None]  # the tokens gained in a round
     on_done: Callable[[SpecStats | None, BaseException | None], None]
     num_draft_tokens: int | None = None
+    # draft with the decoder's n-gram lookup instead of its drafter (a request's drafter
+    # "ngram" on a server whose drafter has a model)
+    lookup_drafts: bool = False
     seed: int = 0
     eos_token_id: int | tuple[int, ...] | None = None  # generation stops at any of these
     is_cancelled: Callable[[], bool] = lambda: False
@@ -114,6 +118,9 @@ class Scheduler:
         if k is not None and (not isinstance(k, int) or not 0 <= k <= width):
             raise ValueError(f"num_draft_tokens must be an integer in [0, {width}] (0: no "
                              f"drafts); got {k!r}")
+        if request.lookup_drafts and self.decoder.lookup is None:
+            raise ValueError("drafter: this server drafts with "
+                             f"{getattr(self.decoder.drafter, 'kind', None)!r} only")
         dropped: list[Request] = []
         with self.lock:
             if self.stopping:
@@ -211,7 +218,8 @@ class Scheduler:
                 new, alive = self.decoder.prefill(
                     slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
                     [r.eos_token_id for r in reqs], [r.seed for r in reqs],
-                    [width if r.num_draft_tokens is None else r.num_draft_tokens for r in reqs])
+                    [width if r.num_draft_tokens is None else r.num_draft_tokens for r in reqs],
+                    [r.lookup_drafts for r in reqs])
                 for slot, req in zip(slots, reqs, strict=True):
                     self.running[slot] = req
                 started.update(slots)

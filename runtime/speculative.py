@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .backends.kernels import correct_for
 from .correction import MAX_K, RowStreams, RuleParams, check_k, check_range, row_randoms
-from .drafters import AnyDrafter, Drafter
+from .drafters import AnyDrafter, Drafter, NgramDrafter
 from .k_policy import (
     RoundSeconds,
     adapt_k,
@@ -75,6 +75,8 @@ class SpeculativeDecoder:
     ``"auto"``: on where the backend measured it faster (its ``fused_by_default``). A round
     that one call cannot carry (the audit needs the logits; rule parameters the engine has
     no graph for) runs unfused and counts its reason in ``fused_fallback``.
+    ``lookup``: an n-gram lookup that a request may draft with instead of ``drafter`` (a
+    drafter with a model): ``prefill``'s ``lookup_drafts``, per request.
     """
 
     def __init__(
@@ -92,9 +94,14 @@ class SpeculativeDecoder:
         disable_by_batch_size: int | None = None,
         draft_len_schedule: dict[int, int] | str | None = None,
         fused_correction: str = "auto",
+        lookup: NgramDrafter | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
+        if lookup is not None and (drafter is None or drafter.model is None):
+            raise ValueError("lookup is the per-request alternative to a drafter with a model; "
+                             f"the drafter is {getattr(drafter, 'kind', None)!r}")
+        self.lookup = lookup
         self.params = params or RuleParams()
         self.k = 0 if drafter is None else k
         if drafter is not None:
@@ -179,6 +186,9 @@ class SpeculativeDecoder:
         if k and self.drafter.model is None:  # a lookup: drafts only where it matches
             draft_tokens, draft_probs, found, drafted = self._lookup_round(slots, tokens,
                                                                            lengths, k, rows)
+        elif k and self.lookup is not None and any(self.host_lookup[s] for s in slots):
+            draft_tokens, draft_probs, found, drafted = self._mixed_round(
+                slots, tokens, lengths, k, bound, streams, rows, cache_rows)
         else:
             draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound,
                                                           streams, cache_rows)
@@ -370,6 +380,33 @@ class SpeculativeDecoder:
         drafted = found.tolist()
         return drafts[:, : max(drafted)], None, found, drafted
 
+    def _mixed_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
+                     bound: int, streams: RowStreams | None, rows: Tensor,
+                     cache_rows: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, list[int]]:
+        """A round where some rows draft with the n-gram ``lookup`` (their request asked
+        for it) and the others with the drafter's model: as ``_lookup_round``, with the
+        model's drafts in the other rows. The model drafts every row (one batched call that
+        costs what it costs for its own rows); without a model row it sits the round out.
+        A lookup row's draft cache is never read for a draft it keeps, so it needs no
+        catching up (``draft_missed``). For
+        sampled drafts, a lookup row's ``q`` is one-hot on its drafts: what ``q`` None means
+        to the correction."""
+        history = max(self.host_lengths[s] for s in slots) + 1
+        looked, found = self.lookup.lookup(tokens, lengths, k, history)
+        found = torch.minimum(found, self.k_rows[rows])
+        if all(self.host_lookup[s] for s in slots):
+            drafted = found.tolist()
+            return looked[:, : max(drafted)], None, found, drafted
+        model_drafts, q = self._draft_round(slots, tokens, lengths, k, bound, streams,
+                                            cache_rows)
+        on = self.lookup_rows[rows]
+        drafts = torch.where(on[:, None], looked, model_drafts)
+        found = torch.where(on, found, self.k_rows[rows].clamp(max=k))
+        if q is not None:
+            point = torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype)
+            q = torch.where(on[:, None, None], point, q)
+        return drafts, q, found, found.tolist()
+
     def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int,
                streams: RowStreams | None,
                rows: Tensor | None = None, missed: int = 0) -> tuple[Tensor, Tensor | None]:
@@ -449,11 +486,13 @@ class SpeculativeDecoder:
         self.generated = torch.zeros(S, dtype=torch.long, device=dev)
         self.seeds = torch.zeros(S, dtype=torch.long, device=dev)
         self.k_rows = torch.full((S,), width, dtype=torch.long, device=dev)
+        self.lookup_rows = torch.zeros(S, dtype=torch.bool, device=dev)  # draft by lookup
         self.offsets = torch.arange(self.margin, device=dev)  # a round's positions past length
         self._rows_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         # host mirrors of lengths and K, kept by each round's single transfer
         self.host_lengths = [0] * S
         self.host_k = [width] * S
+        self.host_lookup = [False] * S
         # the rest of the per-slot state lives on the host only: each request's stop rule,
         # its tokens so far and its metrics (SpecStats' counts in _COUNTS order; per round,
         # how many drafts it accepted and kept, which give the per-position counts; seconds of
@@ -491,21 +530,24 @@ class SpeculativeDecoder:
         eos_token_ids: list[EosIds],
         seeds: list[int],
         num_draft_tokens: list[int] | None = None,
+        lookup_drafts: list[bool] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier (and a separate draft) over the
         right-padded prompts and take the first token from the same correction code (K=0).
         ``seeds``: per request, the seed of its own random stream (``RowStreams``).
         ``eos_token_ids``: per request, an end id, a list of them (generation stops at any)
         or None. ``num_draft_tokens``: per-request K (<= the decoder's K; default: K;
-        0: no drafts).
+        0: no drafts). ``lookup_drafts``: per request, draft with the decoder's ``lookup``
+        instead of its drafter (default: no request does).
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, seeds,
-                                 num_draft_tokens)
+                                 num_draft_tokens, lookup_drafts)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
                  eos_token_ids: list[EosIds], seeds: list[int],
-                 num_draft_tokens: list[int] | None) -> tuple[list[list[int]], list[bool]]:
+                 num_draft_tokens: list[int] | None, lookup_drafts: list[bool] | None
+                 ) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
         eos = []
@@ -521,6 +563,11 @@ class SpeculativeDecoder:
         for k in num_draft_tokens:  # 0: this request decodes without drafts
             if not isinstance(k, int) or not 0 <= k <= width:
                 raise ValueError(f"num_draft_tokens must be an integer in [0, {width}]; got {k!r}")
+        if lookup_drafts is None:
+            lookup_drafts = [False] * len(slots)
+        if any(lookup_drafts) and self.lookup is None:
+            raise ValueError("lookup_drafts: this decoder has no n-gram lookup beside its "
+                             f"drafter {getattr(self.drafter, 'kind', None)!r}")
         t0 = time.perf_counter()
         dev, B = self.device, len(slots)
         rows = torch.tensor(slots, device=dev)
@@ -535,8 +582,10 @@ class SpeculativeDecoder:
         self.generated[rows] = 0
         self.seeds[rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
         self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
+        self.lookup_rows[rows] = torch.tensor(lookup_drafts, device=dev)
         for b, s in enumerate(slots):
             self.host_lengths[s], self.host_k[s] = len(prompts[b]), num_draft_tokens[b]
+            self.host_lookup[s] = bool(lookup_drafts[b])
             self.host_generated[s], self.host_limit[s] = 0, max_new_tokens[b]
             self.host_eos[s] = eos[b]
             self.slot_counts[s] = [0] * len(_COUNTS)

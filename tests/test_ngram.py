@@ -89,8 +89,10 @@ def test_ngram_sizes_and_models_are_validated_by_name(verifier):
         SpeculativeDecoder(verifier, Drafter("ngram"), draft_len_schedule="auto")
     with pytest.raises(ValueError, match="ngram_max must be an integer in"):
         ServeConfig("v", None, drafter="ngram", ngram_max=40)
-    with pytest.raises(ValueError, match="ngram_min / ngram_max are for the ngram drafter"):
-        ServeConfig("v", "d", drafter="model", ngram_min=1)
+    # beside a draft model they size the lookup a request may choose: validated all the same
+    assert ServeConfig("v", "d", drafter="model", ngram_min=1).ngram_min == 1
+    with pytest.raises(ValueError, match="ngram_max must be an integer in"):
+        ServeConfig("v", "d", drafter="model", ngram_max=40)
 
 
 def plain(verifier, prompts, new_tokens=NEW_TOKENS):
@@ -221,3 +223,89 @@ def test_served_ngram_requests_get_their_solo_output(pair):
         scheduler.stop()
     want = plain(load_model(pair[0]), PROMPTS, 24)
     assert [out for out, _ in results] == want
+
+
+def run_slots(dec, prompts, new_tokens, seeds, lookup_drafts=None):
+    """Prefill ``prompts`` into slots 0..B-1 and step them to the end: each row's tokens."""
+    dec.reset()
+    slots = list(range(len(prompts)))
+    new, running = dec.prefill(slots, prompts, [new_tokens] * len(prompts),
+                               [None] * len(prompts), seeds, lookup_drafts=lookup_drafts)
+    out = [list(t) for t in new]
+    while any(running):
+        live = [s for s in slots if running[s]]
+        new, alive = dec.step(live)
+        for s, t, a in zip(live, new, alive, strict=True):
+            out[s] += t
+            running[s] = a
+    return out
+
+
+@pytest.mark.parametrize("rule", ["greedy", "exact"])
+def test_per_request_lookup_rows_beside_model_rows_get_their_solo_output(pair, verifier, rule):
+    """A request may draft with the n-gram lookup on a server whose drafter is a model:
+    each row, lookup or model, gets what it gets alone in a decoder of its own drafter
+    (tokens and draft counts), greedy and sampled (the exact rule, per-row seeds)."""
+    params = RuleParams(rule, temperature=0.9) if rule == "exact" else RuleParams(rule)
+    draft_model = Drafter("model", load_model(pair[1]))
+    lookup = NgramDrafter(1, 3)
+    uses = [i % 2 == 0 for i in range(len(PROMPTS))]
+    seeds = list(range(100, 100 + len(PROMPTS)))
+    mixed = SpeculativeDecoder(verifier, draft_model, params, k=4,
+                               max_batch_size=len(PROMPTS), lookup=lookup)
+    got = run_slots(mixed, PROMPTS, NEW_TOKENS, seeds, uses)
+    if rule == "greedy":
+        assert got == plain(verifier, PROMPTS)
+    alone = {True: SpeculativeDecoder(verifier, lookup, params, k=4, max_batch_size=1),
+             False: SpeculativeDecoder(verifier, draft_model, params, k=4, max_batch_size=1)}
+    for row, (prompt, use) in enumerate(zip(PROMPTS, uses, strict=True)):
+        solo = alone[use]
+        assert run_slots(solo, [prompt], NEW_TOKENS, [seeds[row]]) == [got[row]], row
+        for field in ("draft_tokens", "accepted_tokens", "num_drafts", "verify_steps"):
+            assert getattr(mixed.slot_stats(row), field) == getattr(solo.slot_stats(0),
+                                                                    field), (row, field)
+    stats = [mixed.slot_stats(row) for row in range(len(PROMPTS))]
+    # the lookup rows drafted only where they matched; the model rows in every round
+    assert any(s.num_drafts < s.verify_steps for s, use in zip(stats, uses, strict=True) if use)
+    assert all(s.num_drafts == s.verify_steps for s, use in zip(stats, uses, strict=True)
+               if not use)
+
+
+def test_rounds_of_lookup_rows_alone_leave_the_draft_model_out(pair, verifier):
+    """Rounds where only lookup rows run do not call the draft model, and they do not make
+    a later mixed round re-feed the tokens it skipped (a lookup row never keeps a model
+    draft)."""
+    draft_model = Drafter("model", load_model(pair[1]))
+    calls: list[int] = []
+    hook = draft_model.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        dec = SpeculativeDecoder(verifier, draft_model, RuleParams("greedy"), k=4,
+                                 max_batch_size=2, lookup=NgramDrafter(1, 3))
+        assert run_slots(dec, PROMPTS[:2], 20, [0, 1], [True, True]) == plain(
+            verifier, PROMPTS[:2], 20)
+        assert len(calls) == 1  # the prefill only
+        assert dec.draft_missed == [0, 0]
+    finally:
+        hook.remove()
+
+
+def test_lookup_beside_a_drafter_is_validated(pair, verifier):
+    with pytest.raises(ValueError, match="lookup is the per-request alternative"):
+        SpeculativeDecoder(verifier, NgramDrafter(), lookup=NgramDrafter())
+    dec = SpeculativeDecoder(verifier, Drafter("model", load_model(pair[1])), k=4,
+                             max_batch_size=1)
+    dec.reset()
+    with pytest.raises(ValueError, match="lookup_drafts: this decoder has no n-gram lookup"):
+        dec.prefill([0], [PROMPTS[0]], [4], [None], [0], lookup_drafts=[True])
+
+
+def test_per_request_lookup_beside_the_draft_engine_equals_plain_decoding(pair_engines,
+                                                                          verifier):
+    engine, drafters, _, _ = load_engines(pair_engines, ngram_min=1, ngram_max=3)
+    dec = SpeculativeDecoder(engine, drafters["model"], RuleParams("greedy"), k=4,
+                             max_batch_size=len(PROMPTS), lookup=drafters["ngram"])
+    uses = [i % 2 == 1 for i in range(len(PROMPTS))]
+    assert run_slots(dec, PROMPTS, NEW_TOKENS, [0] * len(PROMPTS), uses) == plain(verifier,
+                                                                                  PROMPTS)
+    stats = [dec.slot_stats(row) for row in range(len(PROMPTS))]
+    assert all(s.draft_tokens > 0 for s in stats)

@@ -203,6 +203,21 @@ def test_speculation_can_be_turned_off_per_request(client, local):
     assert done.model_extra["paradraft"]["draft_tokens"] == 0
 
 
+def test_a_request_can_name_its_drafter(client, local):
+    """drafter "ngram" (the lookup) beside the server's draft model: the same text; a
+    drafter the server lacks is a 400 with the server's message."""
+    run, tok, _ = local
+    prompt = "x = [1, 2, 3, 1, 2, 3, 1, 2"  # repeats itself: the lookup finds drafts
+    want, _ = run(tok.encode(prompt).ids, 32)
+    done = client.completions.create(model="paradraft", prompt=prompt, max_tokens=32,
+                                     temperature=0, extra_body={"drafter": "ngram"})
+    assert done.choices[0].text == want
+    assert done.model_extra["paradraft"]["draft_tokens"] > 0
+    with pytest.raises(openai.BadRequestError, match="drafter must be one of model, ngram"):
+        client.completions.create(model="paradraft", prompt="x", max_tokens=4,
+                                  extra_body={"drafter": "parallel"})
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(n=2), "n"),
     (dict(max_tokens=-1), "max_tokens"),
@@ -216,6 +231,7 @@ def test_speculation_can_be_turned_off_per_request(client, local):
     (dict(echo=True), "echo"),
     (dict(extra_body={"guided_json": {}}), "guided_json"),
     (dict(extra_body={"num_draft_tokens": -1}), "num_draft_tokens"),
+    (dict(extra_body={"drafter": ["ngram"]}), "drafter"),
 ])
 def test_unsupported_or_invalid_fields_get_a_400_naming_them(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:

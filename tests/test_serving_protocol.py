@@ -206,6 +206,17 @@ def test_num_draft_tokens_zero_turns_speculation_off_and_the_range_is_named():
                          config).num_draft_tokens == 0
     with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 4\]"):
         parse_request({**inputs, "num_draft_tokens": np.array([[5]], np.int32)}, config)
+    # the drafter per request: the server's, or the n-gram lookup beside it
+    assert not parse_request(inputs, config).lookup_drafts
+    assert not parse_request({**inputs, "drafter": texts("model")}, config).lookup_drafts
+    assert parse_request({**inputs, "drafter": texts("ngram")}, config).lookup_drafts
+    ngram_server = ServeConfig("verifier", None, drafter="ngram", k=4)
+    assert not parse_request({**inputs, "drafter": texts("ngram")}, ngram_server).lookup_drafts
+    for server, asked, allowed in [(config, "parallel", "model, ngram"),
+                                   (ngram_server, "model", "ngram")]:
+        with pytest.raises(ValueError, match=f"drafter must be one of {allowed} on this "
+                                             f"server; got '{asked}'"):
+            parse_request({**inputs, "drafter": texts(asked)}, server)
     # no seed: each request draws its own (a sampled request is not every other one's twin)
     seeds = {parse_request(inputs, config).seed for _ in range(4)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
@@ -282,6 +293,7 @@ def test_openai_requests_are_validated_field_by_field():
     assert j.inputs["correction_rule"] == ("BYTES", [b"greedy"]) and "temperature" not in j.inputs
     assert j.inputs["random_seed"] == ("UINT64", [2**64 - 1])
     assert j.inputs["num_draft_tokens"] == ("INT32", [0])
+    assert job(drafter="ngram").inputs["drafter"] == ("BYTES", [b"ngram"])
     assert (j.stop, j.include_usage, j.max_tokens) == (["\n"], True, 16)  # OpenAI's default
     assert job(temperature=0.7, top_p=0.9).inputs["temperature"] == ("FP32", [0.7])
     assert job(ignore_eos=True).inputs["end_id"] == ("INT32", [-1])
@@ -298,6 +310,7 @@ def test_openai_requests_are_validated_field_by_field():
         (dict(suffix="x"), "suffix", "suffix is not supported"),
         (dict(tools=[]), "tools", "unsupported field 'tools'"),  # chat only
         (dict(temperature=0, correction_rule="exact"), "correction_rule", "contradict"),
+        (dict(drafter=1), "drafter", "drafter must be a string"),
     ]:
         with pytest.raises(ApiError, match=message) as e:
             job(**body)

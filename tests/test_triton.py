@@ -137,6 +137,38 @@ def test_greedy_over_grpc_equals_the_runtime_and_streaming_concatenates(server, 
         assert whole.total_draft_tokens > 0
 
 
+def test_a_request_drafts_with_the_ngram_lookup_when_it_names_it(server, local):
+    """drafter "ngram" on a server that drafts with a model: the request gets the same text
+    and drafts what the lookup drafts in process (their counts), while a request beside it
+    keeps the model; a drafter the server lacks is INVALID_ARGUMENT naming it."""
+    srv, config = server
+    verifier, tok = load_model(config.verifier), load_tokenizer(config.verifier)
+    lookup = SpeculativeDecoder(verifier, Drafter("ngram"), RuleParams("greedy"), k=config.k,
+                                max_batch_size=1, max_seq_len=MAX_SEQ)
+    prompt = PROMPTS[1]  # repeats itself: the lookup finds drafts
+    want = lookup.generate([tok.encode(prompt).ids], 60, eos_token_id=config.eos_token_id)
+    results = {}
+
+    def ask(drafter):
+        results[drafter] = serving_client.complete(srv.grpc_url, prompt, 60, drafter=drafter)
+
+    threads = [threading.Thread(target=ask, args=(d,)) for d in ("ngram", "model")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    text = local(prompt, 60)
+    assert results["ngram"].text == results["model"].text == text
+    assert results["ngram"].total_draft_tokens == want.stats.draft_tokens
+    assert results["ngram"].total_accepted_draft_tokens == want.stats.accepted_tokens
+    assert results["model"].total_draft_tokens != want.stats.draft_tokens
+    with pytest.raises(serving_client.ServerError,
+                       match="drafter must be one of model, ngram on this server; got 'self'"
+                       ) as e:
+        serving_client.complete(srv.grpc_url, prompt, 8, drafter="self")
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
 def test_stream_interval_sends_fewer_larger_responses_and_loses_no_text(server, local,
                                                                       tmp_path_factory):
     _, base = server

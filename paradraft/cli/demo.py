@@ -1,6 +1,7 @@
 """``paradraft demo``: the whole pipeline. Start Triton with the engines and the OpenAI API in
-front of it, stream one chat answer over tritonclient gRPC, ask the same question through the
-official ``openai`` client, print acceptance and tok/s for both, stop everything."""
+front of it, stream one chat answer over tritonclient gRPC (the server's drafter), ask the same
+question through the official ``openai`` client with another drafter named in the request
+(default: the n-gram lookup), print acceptance and tok/s for both, stop everything."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_openai_args(p)
     p.add_argument("--question", default=QUESTION, help="the user message")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--openai-drafter", default="ngram", metavar="NAME",
+                   help="the drafter the openai client's request names (per request; default "
+                        "ngram, the prompt lookup, beside the server's own drafter over gRPC)")
     p.add_argument("--no-openai", action="store_true",
                    help="gRPC only (the openai client is a dev dependency)")
     p.set_defaults(run=run)
@@ -43,7 +47,7 @@ def show(text: str) -> None:
 
 
 def ask_grpc(url: str, prompt: str, max_tokens: int) -> None:
-    r = complete(url, prompt, max_tokens, stream=True, on_text=show)
+    r = complete(url, prompt, max_tokens, stream=True, on_text=show)  # the server's drafter
     tokens = sum(r.chunk_tokens)
     print(f"\n[gRPC: {tokens} tokens in {len(r.chunks)} streamed responses, "
           f"{tokens / r.chunk_times[-1]:.1f} tok/s; acceptance rate {r.acceptance_rate:.2f} "
@@ -51,7 +55,8 @@ def ask_grpc(url: str, prompt: str, max_tokens: int) -> None:
           f"response after {r.first_token_s * 1e3:.0f} ms]\n", flush=True)
 
 
-def ask_openai(base_url: str, model: str, question: str, max_tokens: int) -> None:
+def ask_openai(base_url: str, model: str, question: str, max_tokens: int,
+               drafter: str) -> None:
     try:
         import openai
     except ImportError:
@@ -61,7 +66,8 @@ def ask_openai(base_url: str, model: str, question: str, max_tokens: int) -> Non
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"drafter": drafter})
     usage, stats = None, {}
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -88,12 +94,13 @@ def run(args: argparse.Namespace) -> None:
               f"K={config.k}, rule {config.rule}); the chat template of "
               f"{Path(args.engines or args.verifier).name} applied\n\nuser: {args.question}\n",
               file=sys.stderr, flush=True)
-        sys.stdout.write("assistant (tritonclient gRPC, streaming):\n")
+        sys.stdout.write(f"assistant (tritonclient gRPC, streaming; drafter {config.drafter}):\n")
         ask_grpc(server.grpc_url, prompt, args.max_tokens)
         if api is not None:
-            sys.stdout.write("assistant (openai client, /v1/chat/completions):\n")
+            sys.stdout.write("assistant (openai client, /v1/chat/completions; drafter "
+                             f"{args.openai_drafter}, named in the request):\n")
             ask_openai(f"http://127.0.0.1:{api.config.port}/v1", args.served_model_name,
-                       args.question, args.max_tokens)
+                       args.question, args.max_tokens, args.openai_drafter)
     finally:
         if api is not None:
             api.stop()

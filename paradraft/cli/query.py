@@ -22,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--drafter", default=None,
+                   help="this request's drafter: the server's, or ngram (prompt lookup)")
     p.add_argument("--stop-word", action="append", default=None, dest="stop_words",
                    help="end the completion once its tokens contain this word's (repeatable)")
     p.set_defaults(run=run)
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> None:
             sys.stdout.flush()
 
     optional = dict(temperature=args.temperature, top_p=args.top_p, random_seed=args.seed,
-                    num_draft_tokens=args.num_draft_tokens, correction_rule=args.rule,
+                    num_draft_tokens=args.num_draft_tokens, drafter=args.drafter,
+                    correction_rule=args.rule,
                     stop_words=args.stop_words)
     result = complete(args.url, args.prompt, args.max_tokens, stream=args.stream,
                       on_text=show, **optional)

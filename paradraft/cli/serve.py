@@ -156,7 +156,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
                        devices=devices_arg(args.device, backend), instances=args.instances,
-                       **ngram_sizes(args, [drafter]))
+                       # every server can draft a request with the lookup (its drafter
+                       # "ngram"), so the sizes always apply
+                       **ngram_sizes(args, [drafter, "ngram"]))
 
 
 def calibrated_params(calibration: dict | None) -> dict[str, dict[str, float]]:

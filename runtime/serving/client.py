@@ -155,6 +155,7 @@ def request_inputs(prompt: str, max_tokens: int, stream: bool, **optional):
     kinds = {"temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
              "random_seed": ("UINT64", np.uint64), "num_draft_tokens": ("INT32", np.int32),
              "end_id": ("INT32", np.int32), "correction_rule": ("BYTES", np.object_),
+             "drafter": ("BYTES", np.object_),
              "tau": ("FP32", np.float32), "gamma": ("FP32", np.float32),
              "alpha": ("FP32", np.float32), "epsilon": ("FP32", np.float32),
              "delta": ("FP32", np.float32)}

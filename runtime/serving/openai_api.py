@@ -37,7 +37,8 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "stream_options",
 COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
           # extra body fields: ours (speculation and the correction rule), and vLLM's
-          "num_draft_tokens", "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta",
+          "num_draft_tokens", "drafter", "correction_rule", "tau", "gamma", "alpha", "epsilon",
+          "delta",
           "ignore_eos", "top_k", "min_tokens", "repetition_penalty"}
 FIELDS = {
     "completions": COMMON | NO_EFFECT | {"prompt", "best_of", "echo", "suffix"},
@@ -275,6 +276,11 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     k = integer(body, "num_draft_tokens", 0)
     if k is not None:  # 0: this request decodes without speculation
         inputs["num_draft_tokens"] = ("INT32", [k])
+    drafter = body.get("drafter")  # the server's drafter, or "ngram": the model checks
+    if drafter is not None:
+        if not isinstance(drafter, str):
+            raise invalid("drafter", f"drafter must be a string; got {drafter!r}")
+        inputs["drafter"] = ("BYTES", [drafter.encode()])
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise invalid("ignore_eos", f"ignore_eos must be a boolean; got {ignore_eos!r}")

@@ -36,7 +36,8 @@ class ServeConfig:
     verifier: str
     draft: str | None
     drafter: str = "model"  # model | parallel | self | ngram
-    # the ngram drafter's suffix lengths (prompt lookup; vLLM's prompt_lookup_min / _max)
+    # the ngram drafter's suffix lengths (prompt lookup; vLLM's prompt_lookup_min / _max):
+    # the server's drafter, or the one a request names (``drafter`` ngram) beside a model
     ngram_min: int = NgramDrafter.ngram_min
     ngram_max: int = NgramDrafter.ngram_max
     engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
@@ -119,12 +120,7 @@ class ServeConfig:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
                              f"got {self.drafter!r}")
-        if self.drafter == "ngram":
-            NgramDrafter(self.ngram_min, self.ngram_max)  # the sizes, validated by name
-        elif (self.ngram_min, self.ngram_max) != (NgramDrafter.ngram_min,
-                                                  NgramDrafter.ngram_max):
-            raise ValueError(f"ngram_min / ngram_max are for the ngram drafter only; the "
-                             f"drafter is {self.drafter!r}")
+        NgramDrafter(self.ngram_min, self.ngram_max)  # the sizes, validated by name
         check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
         for rule in self.calibrated:  # each rule's calibrated values, validated
@@ -170,13 +166,15 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
+        lookup = drafters["ngram"]
     else:
+        lookup = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max)
         dtype = resolve_dtype(config.verifier, torch.device(device), config.dtype)
         verifier = load_model(config.verifier, dtype=dtype, device=device)
         if config.drafter == "self":
             drafter = Drafter("self", verifier)
         elif config.drafter == "ngram":
-            drafter = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max)
+            drafter = lookup
         else:
             drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
                                                          verifier.config.vocab_size,
@@ -187,6 +185,8 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         disable_by_batch_size=config.disable_by_batch_size,
         draft_len_schedule=config.draft_len_schedule, acceptance_floor=config.acceptance_floor,
         fused_correction=config.fused_correction,
+        # a request may draft with the lookup instead (its drafter "ngram")
+        lookup=None if drafter.model is None else lookup,
     )
     if config.draft_len_schedule == "auto":
         decoder.calibrate()  # before the scheduler owns the slots
@@ -234,6 +234,13 @@ class ParsedRequest:
     eos_token_id: int | tuple[int, ...] | None
     stream: bool
     stop_sequences: list[list[int]]
+    lookup_drafts: bool = False  # drafter "ngram" on a server whose drafter has a model
+
+
+def request_drafters(config: ServeConfig) -> tuple[str, ...]:
+    """The drafters a request may name: the server's, and the model-free n-gram lookup
+    (every server can run it beside its own)."""
+    return tuple(dict.fromkeys((config.drafter, "ngram")))
 
 
 # TensorRT-LLM ensemble inputs that change nothing at these values, which its clients send
@@ -257,7 +264,7 @@ MAX_STOP_WORDS, MAX_STOP_WORD_TOKENS = 16, 32
 MAX_TOKEN_BYTES = 64
 # every input of the served model that parse_request reads (triton_repo/ensemble)
 REQUEST_INPUTS = ("text_input", "input_ids", "input_lengths", "max_tokens", "stream",
-                  "temperature", "top_p", "random_seed", "num_draft_tokens", "end_id",
+                  "temperature", "top_p", "random_seed", "num_draft_tokens", "drafter", "end_id",
                   "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta", "stop_words",
                   "bad_words", "stop_words_ids", "stop_words_lengths",
                   *NEUTRAL_INPUTS, *IGNORED_INPUTS)
@@ -459,6 +466,10 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
     if not 0 <= k <= config.k:  # 0: this request decodes without drafts
         raise ValueError(f"num_draft_tokens must be in [0, {config.k}] (0: no speculation); "
                          f"got {k}")
+    drafter = scalar(inputs, "drafter", str)
+    if drafter is not None and drafter not in request_drafters(config):
+        raise ValueError(f"drafter must be one of {', '.join(request_drafters(config))} on "
+                         f"this server; got {drafter!r}")
     seed = scalar(inputs, "random_seed", int)
     end_id = scalar(inputs, "end_id", int)
     stream = scalar(inputs, "stream", bool)
@@ -466,7 +477,8 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
         seed = random.getrandbits(63)
     return ParsedRequest(prompt, max_tokens, params, k, seed % 2**63,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
-                         bool(stream), stop_sequences(inputs, tokenizer))
+                         bool(stream), stop_sequences(inputs, tokenizer),
+                         lookup_drafts=drafter == "ngram" and config.drafter != "ngram")
 
 
 def eos_or_none(end_id: int) -> int | None:

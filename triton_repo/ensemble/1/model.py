@@ -472,6 +472,7 @@ class TritonPythonModel:
 
         me = self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                           on_done, num_draft_tokens=parsed.num_draft_tokens,
+                          lookup_drafts=parsed.lookup_drafts,
                           seed=parsed.seed, eos_token_id=parsed.eos_token_id,
                           # a running request's flag is polled by the sender thread; a
                           # queued one is asked directly (only at admission, or when the
