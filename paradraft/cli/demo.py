@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> None:
               f"K={config.k}, rule {config.rule}); the chat template of "
               f"{Path(args.engines or args.verifier).name} applied\n\nuser: {args.question}\n",
               file=sys.stderr, flush=True)
+        # the first calls into each engine graph are slow (ONNX Runtime's first runs): one
+        # short request per drafter first, so that the two answers' tok/s compare the drafters
+        for drafter in dict.fromkeys([config.drafter, args.openai_drafter]):
+            complete(server.grpc_url, prompt, 8, stream=False, drafter=drafter)
         sys.stdout.write(f"assistant (tritonclient gRPC, streaming; drafter {config.drafter}):\n")
         ask_grpc(server.grpc_url, prompt, args.max_tokens)
         if api is not None:
