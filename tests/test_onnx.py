@@ -742,3 +742,51 @@ def test_a_tied_embedding_is_stored_once_in_every_graph(tmp_path):
         vocab_sized = [t.name for t in graph.initializer if 1000 in t.dims]
         assert len(vocab_sized) == 1, vocab_sized
         assert check(path) < 1e-3
+
+
+def test_an_int8_tied_draft_dequantizes_only_the_rows_it_looks_up(tmp_path):
+    """With a tied embedding the lookup reads the int8 LM head (``tie_head``). ONNX Runtime's
+    quantizer gives the lookups that follow the head (a fused k-step graph's later steps) a
+    DequantizeLinear of the whole table, run on every call; ``quantize_draft`` moves the
+    dequantize after the lookup. The drafts and K/V are the same to the bit as the
+    quantizer's own graph."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from paradraft.build.onnx import export_draft_steps, export_step, quantize_draft
+    from paradraft.runtime.backends.ort import OrtModel
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("llama", layers=2, vocab=1000, tie_word_embeddings=True)).eval()
+    model = load_model(save_hf(hf, tmp_path / "tied"))
+    c = model.config
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, c.vocab_size, (2, 4), generator=g)
+    pos = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]])
+
+    def run(path: Path, k: int | None) -> list[torch.Tensor]:
+        engine = (OrtModel(c, {None: path}) if k is None
+                  else OrtModel(c, {}, draft_steps={(None, k): path}))
+        cache = new_kv_cache(c, 2, 16, torch.float32)
+        out = (engine(tokens, pos, cache, kv_len=6)[0] if k is None
+               else engine.greedy_drafts(tokens, pos, cache, k, kv_len=6 + k))
+        return [out, cache.buffer]
+
+    for k, fp32 in [(None, export_step(model, tmp_path / "step.onnx")),
+                    (3, export_draft_steps(model, tmp_path / "steps3.onnx", 3))]:
+        ours = quantize_draft(fp32, tmp_path / f"ours{k}.onnx")
+        theirs = tmp_path / f"theirs{k}.onnx"
+        quantize_dynamic(fp32, theirs, op_types_to_quantize=["MatMul"], per_channel=False,
+                         weight_type=QuantType.QInt8, use_external_data_format=True)
+        graphs = {p: onnx.load(str(p), load_external_data=False).graph for p in (ours, theirs)}
+        tables = {p: [n for n in g.node if n.op_type == "DequantizeLinear"
+                      and n.input[0] in {t.name for t in g.initializer}]
+                  for p, g in graphs.items()}
+        assert tables[ours] == []
+        if k is not None:  # the lookups after the head's quantized MatMul in node order
+            assert tables[theirs], "precondition: the quantizer dequantizes the whole table"
+            assert any(n.op_type == "Gather" and n.input[0].endswith("_quantized")
+                       for n in graphs[ours].node)
+        for a, b in zip(run(ours, k), run(theirs, k), strict=True):
+            assert torch.equal(a, b)
