@@ -7,12 +7,17 @@
 - bfloat16 stays within tolerance of float32, and greedy speculation in bfloat16 equals plain
   greedy decoding in bfloat16;
 - the shipped distilled draft reproduces the held-out acceptance its ``distill.json`` (and
-  model card) reports.
+  model card) reports;
+- ``paradraft demo`` on the ONNX engines answers over gRPC and through the openai client.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +32,7 @@ from paradraft.runtime.checkpoints import format_chat, load_tokenizer
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
+from paradraft.runtime.serving import server as serving_server
 from paradraft.runtime.speculative import SpeculativeDecoder
 from paradraft.runtime.tools.distill import DistillConfig, measured_acceptance, read_prompt_file
 
@@ -213,3 +219,39 @@ def test_shipped_draft_reproduces_its_model_cards_acceptance(smol):
     assert got["acceptance"] == pytest.approx(want["acceptance"], abs=0.01)
     assert got["tokens_per_verifier_step"] == pytest.approx(want["tokens_per_verifier_step"],
                                                             abs=0.03)
+
+
+def have_tritonserver() -> bool:
+    try:
+        serving_server.find_tritonserver()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not (SHIPPED_DRAFT / "config.json").is_file(), reason="no shipped draft")
+@pytest.mark.skipif(not have_tritonserver() and not os.environ.get("CI"),
+                    reason="tritonserver not unpacked (make serve-deps)")
+def test_demo_answers_over_grpc_and_openai_with_the_k_it_asks_for(engines):
+    """``paradraft demo`` as ``make demo`` runs it, on real servers: the gRPC answer (shipped
+    draft, the K given by --num-draft-tokens) and the openai-client answer (ngram, the
+    server's K) are the same greedy text; the gRPC request drafted at most one token per
+    round; the servers are stopped."""
+    r = subprocess.run([sys.executable, "-m", "paradraft.cli", "demo", "--engines",
+                        str(engines), "--max-tokens", "24", "--num-draft-tokens", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "paradraft: servers stopped" in r.stderr
+    grpc_head = "assistant (tritonclient gRPC, streaming; drafter model, K=1):\n"
+    openai_head = "assistant (openai client, /v1/chat/completions; drafter ngram, named in " \
+                  "the request, K=4):\n"
+    assert grpc_head in r.stdout and openai_head in r.stdout, r.stdout
+    grpc_part = r.stdout.split(grpc_head)[1].split(openai_head)[0]
+    openai_part = r.stdout.split(openai_head)[1]
+    grpc_text, grpc_stats = grpc_part.split("\n[gRPC: ")
+    openai_text = openai_part.split("\n[OpenAI API")[0]
+    assert grpc_text.strip() and grpc_text == openai_text
+    stats = re.search(r"(\d+) tokens in .* \((\d+)/(\d+) draft tokens\)", grpc_stats)
+    tokens, accepted, drafted = map(int, stats.groups())
+    # K=1: one draft token per verify step, and a step yields at most two tokens
+    assert 0 < drafted <= tokens and accepted <= drafted

@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-drafter", default="ngram", metavar="NAME",
                    help="the drafter the openai client's request names (per request; default "
                         "ngram, the prompt lookup, beside the server's own drafter over gRPC)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="K of the gRPC request (its num_draft_tokens, in [0, the server's "
+                        "K]; default: the server's K). The shipped SmolLM2 draft is fastest at "
+                        "1 (docs/results.md)")
     p.add_argument("--no-openai", action="store_true",
                    help="gRPC only (the openai client is a dev dependency)")
     p.set_defaults(run=run)
@@ -46,8 +50,9 @@ def show(text: str) -> None:
     sys.stdout.flush()
 
 
-def ask_grpc(url: str, prompt: str, max_tokens: int) -> None:
-    r = complete(url, prompt, max_tokens, stream=True, on_text=show)  # the server's drafter
+def ask_grpc(url: str, prompt: str, max_tokens: int, num_draft_tokens: int | None) -> None:
+    k = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
+    r = complete(url, prompt, max_tokens, stream=True, on_text=show, **k)  # server's drafter
     tokens = sum(r.chunk_tokens)
     print(f"\n[gRPC: {tokens} tokens in {len(r.chunks)} streamed responses, "
           f"{tokens / r.chunk_times[-1]:.1f} tok/s; acceptance rate {r.acceptance_rate:.2f} "
@@ -98,11 +103,13 @@ def run(args: argparse.Namespace) -> None:
         # short request per drafter first, so that the two answers' tok/s compare the drafters
         for drafter in dict.fromkeys([config.drafter, args.openai_drafter]):
             complete(server.grpc_url, prompt, 8, stream=False, drafter=drafter)
-        sys.stdout.write(f"assistant (tritonclient gRPC, streaming; drafter {config.drafter}):\n")
-        ask_grpc(server.grpc_url, prompt, args.max_tokens)
+        k = config.k if args.num_draft_tokens is None else args.num_draft_tokens
+        sys.stdout.write(f"assistant (tritonclient gRPC, streaming; drafter {config.drafter}, "
+                         f"K={k}):\n")
+        ask_grpc(server.grpc_url, prompt, args.max_tokens, args.num_draft_tokens)
         if api is not None:
             sys.stdout.write("assistant (openai client, /v1/chat/completions; drafter "
-                             f"{args.openai_drafter}, named in the request):\n")
+                             f"{args.openai_drafter}, named in the request, K={config.k}):\n")
             ask_openai(f"http://127.0.0.1:{api.config.port}/v1", args.served_model_name,
                        args.question, args.max_tokens, args.openai_drafter)
     finally:
