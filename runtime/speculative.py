@@ -431,7 +431,12 @@ class SpeculativeDecoder:
         """K for a round over ``slots``: the largest of the rows' K, capped by the schedule
         for this batch size (0: a plain decoding step)."""
         k = max(self.host_k[s] for s in slots) if self.k else 0
-        return round_k(len(slots), k, self.disable_by_batch_size, self.draft_len_schedule,
+        schedule = self.draft_len_schedule
+        if schedule == "auto" and all(self.host_lookup[s] for s in slots):
+            # the goodput's round times are the draft model's; a round of lookup rows costs
+            # no draft call and drafts only where it matches, so it keeps its rows' K
+            schedule = None
+        return round_k(len(slots), k, self.disable_by_batch_size, schedule,
                        self.round_seconds, self.monitor.alpha_optimistic)
 
     def seconds_per_round(self, batch_size: int) -> list[float]:

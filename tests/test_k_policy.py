@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from paradraft.runtime.correction import RuleParams
-from paradraft.runtime.drafters import Drafter
+from paradraft.runtime.drafters import Drafter, NgramDrafter
 from paradraft.runtime.k_policy import analytic_length, goodput_k, parse_draft_len_schedule
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -50,6 +50,22 @@ def test_goodput_policy_shortens_k_as_the_batch_grows(verifier, draft):
         dec.monitor.relax(0.97)
     assert dec.monitor.alpha == pytest.approx(0.5, abs=0.01)
     assert dec.round_k([0]) == 4
+
+
+def test_goodput_policy_leaves_a_round_of_lookup_rows_its_k(verifier, draft):
+    """Requests that draft with the n-gram lookup on a model-drafter server: the goodput's
+    round times are the model's, so a round of lookup rows alone keeps its K; a round with a
+    model row in it is still capped."""
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=4,
+                             max_batch_size=4, draft_len_schedule="auto",
+                             lookup=NgramDrafter())
+    dec.reset()
+    dec.round_seconds = ([1, 4], torch.tensor([[10.0, 15.0, 20.0, 25.0, 30.0]] * 2) * 1e-3)
+    dec.monitor.update(drafted=400, accepted=40, reached=400)  # α = 0.1: plain steps win
+    dec.prefill([0, 1, 2], [[4, 8, 15], [16, 23, 42], [4, 8, 16]], [8] * 3, [None] * 3,
+                [0] * 3, lookup_drafts=[True, True, False])
+    assert dec.round_k([0, 1]) == 4
+    assert dec.round_k([2]) == 0 and dec.round_k([0, 1, 2]) == 0
 
 
 def test_analytic_acceptance_length():
