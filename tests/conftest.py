@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paradraft.runtime.model import load_model
+from paradraft.runtime.serving import server as serving_server
 
 # The tests' models are tiny: thread start-up costs more than it saves (several times more on
 # a loaded 2-core CI machine). Servers and CLIs the tests start inherit the setting; tests of
@@ -19,6 +20,15 @@ torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
+
+
+def have_tritonserver() -> bool:
+    """A tritonserver binary is found (``make serve-deps`` unpacks one)."""
+    try:
+        serving_server.find_tritonserver()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def save_hf(model, path) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import have_tritonserver
 from scipy.stats import chisquare
 from test_lossless import assert_equal_or_numerical_tie
 
@@ -32,7 +33,6 @@ from paradraft.runtime.checkpoints import format_chat, load_tokenizer
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model, new_kv_cache
-from paradraft.runtime.serving import server as serving_server
 from paradraft.runtime.speculative import SpeculativeDecoder
 from paradraft.runtime.tools.distill import DistillConfig, measured_acceptance, read_prompt_file
 
@@ -221,14 +221,6 @@ def test_shipped_draft_reproduces_its_model_cards_acceptance(smol):
                                                             abs=0.03)
 
 
-def have_tritonserver() -> bool:
-    try:
-        serving_server.find_tritonserver()
-    except FileNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.skipif(not (SHIPPED_DRAFT / "config.json").is_file(), reason="no shipped draft")
 @pytest.mark.skipif(not have_tritonserver() and not os.environ.get("CI"),
                     reason="tritonserver not unpacked (make serve-deps)")
@@ -255,3 +247,9 @@ def test_demo_answers_over_grpc_and_openai_with_the_k_it_asks_for(engines):
     tokens, accepted, drafted = map(int, stats.groups())
     # K=1: one draft token per verify step, and a step yields at most two tokens
     assert 0 < drafted <= tokens and accepted <= drafted
+    # a K past the server's is refused by name before any server starts
+    r = subprocess.run([sys.executable, "-m", "paradraft.cli", "demo", "--engines",
+                        str(engines), "--num-draft-tokens", "5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--num-draft-tokens must be in [0, 4]" in r.stderr, r.stderr
+    assert "starting tritonserver" not in r.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import have_tritonserver
 
 from paradraft.runtime.checkpoints import load_tokenizer
 from paradraft.runtime.correction import RuleParams
@@ -28,11 +29,7 @@ MODELS = Path(os.environ.get("PARADRAFT_TEST_MODELS",
 SLOTS = 4
 MAX_SEQ = 320
 
-try:
-    serving_server.find_tritonserver()
-    HAVE_SERVER = True
-except FileNotFoundError:
-    HAVE_SERVER = False
+HAVE_SERVER = have_tritonserver()
 pytestmark = [
     pytest.mark.skipif(not (MODELS / "verifier" / "tokenizer.json").is_file(),
                        reason=f"no models with a tokenizer in {MODELS}"),

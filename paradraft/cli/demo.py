@@ -88,6 +88,9 @@ def ask_openai(base_url: str, model: str, question: str, max_tokens: int,
 
 def run(args: argparse.Namespace) -> None:
     config = serve_config(args)
+    if args.num_draft_tokens is not None and not 0 <= args.num_draft_tokens <= config.k:
+        raise ValueError(f"--num-draft-tokens must be in [0, {config.k}] (the server's K; 0: no "
+                         f"speculation); got {args.num_draft_tokens}")
     server = own_server(args, config)
     api = None
     try:
