@@ -30,7 +30,11 @@ GGUF_SUFFIX = ".gguf"
 IMPORTER_VERSION = 1
 CACHE_ENV = "PARADRAFT_CACHE"
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # GGUF general.architecture → HF class
+# GGUF general.architecture → HF class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# architectures whose Q/K rows llama.cpp's converter reorders (rotate-half → interleaved
+# pairs); qwen2's it keeps in HF order
+PERMUTED_QK = ("llama",)
 # quantization types dequantized here (gguf-py's reference dequantizers); the rest are refused
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                      "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -42,6 +46,11 @@ PRE_TOKENIZER_SPLITS = {
     "gpt2": (_GPT2_SPLIT,),
     # one piece per digit, then GPT-2's expression: SmolLM / StarCoder / Refact
     **dict.fromkeys(("smollm", "starcoder", "refact"), (r"\p{N}", _GPT2_SPLIT)),
+    # Qwen2's tokenizer.json expression with its (?i:…) spelled out, as llama.cpp has it; HF's
+    # Qwen2 tokenizer also NFC-normalizes first, which llama.cpp (and so the file) does not
+    "qwen2": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+              r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+",),
 }
 
 # general.* and tokenizer.* keys that change nothing in the math (names, licences, …) or that
@@ -150,11 +159,13 @@ def hf_config(meta: dict[str, object], tied: bool, vocab_size: int, has_bias: bo
         "max_position_embeddings": int(a("context_length")),
         "vocab_size": vocab_size,
         "tie_word_embeddings": tied,
-        "attention_bias": has_bias,
-        "mlp_bias": False,
         "rope_theta": float(a("rope.freq_base", 10000.0)),
         "torch_dtype": "float32",
     }
+    if arch == "llama":
+        config.update(attention_bias=has_bias, mlp_bias=False)
+    else:  # qwen2: q/k/v biases always, none elsewhere (transformers' Qwen2 has no field)
+        config.update(use_sliding_window=False, max_window_layers=config["num_hidden_layers"])
     scaling = a("rope.scaling.type", "none")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
@@ -205,7 +216,9 @@ def hf_tensors(path: str | Path, meta: dict[str, object]) -> dict[str, torch.Ten
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # numpy's shape is ggml's reversed: [out, in] for a weight, as HF stores it
         array = array.reshape([int(n) for n in reversed(t.shape)])
-        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch not in PERMUTED_QK:
+            pass
+        elif t.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = unpermute_rope(array, heads)
         elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
             array = unpermute_rope(array, kv_heads)
@@ -309,6 +322,15 @@ def import_gguf(path: str | Path, out: str | Path) -> Path:
         raise ValueError(f"GGUF token_embd has {vocab_size} rows but the tokenizer "
                          f"{len(meta['tokenizer.ggml.tokens'])} tokens")
     has_bias = any(k.endswith("_proj.bias") for k in tensors)
+    if arch == "qwen2":
+        layers = int(meta["qwen2.block_count"])
+        biases = {f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(layers)
+                  for p in "qkv"}
+        have = {k for k in tensors if k.endswith(".bias")}
+        if have != biases:
+            odd = sorted(have ^ biases)[0]
+            why = "is missing" if odd in biases else "is not part of qwen2 (q, k, v biases only)"
+            raise ValueError(f"GGUF qwen2 file: {odd} {why}; not imported")
     config = hf_config(meta, tied, vocab_size, has_bias)
     eog = end_of_generation_ids(meta)
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eog,

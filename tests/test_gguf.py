@@ -19,6 +19,7 @@ import torch
 
 from paradraft.cli.main import main
 from paradraft.runtime import gguf as g
+from paradraft.runtime.gguf import CONTROL
 from paradraft.runtime.model import load_model, new_kv_cache
 
 gguf = pytest.importorskip("gguf")
@@ -170,11 +171,35 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype) -> np.ndarray:
+    """Random bytes laid out as ``qtype`` blocks, with each block's fp16 scales set to small
+    finite values: a valid tensor of a type gguf-py cannot quantize to (the K-quants). Both
+    importers then dequantize the same bytes."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = lambda n: rng.uniform(1e-3, 4e-3, (rows, cols // block, n)).astype(  # noqa: E731
+        np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin, scales[12], qs[128]
+        raw[..., :4] = scale(2)
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:  # ql[128], qh[64], scales[16], d
+        raw[..., 208:] = scale(1)
+    else:
+        raise ValueError(qtype)
+    return raw.reshape(*shape[:-1], cols // block * size)
+
+
 def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = "llama",
-                    extra_kv: dict | None = None, pre: str | None = None, seed: int = 0) -> Path:
-    """A 2-layer Llama with random weights and ``meta``'s (the real file's) tokenizer."""
+                    extra_kv: dict | None = None, pre: str | None = None, seed: int = 0,
+                    tied: bool | None = None) -> Path:
+    """A 2-layer model with random weights and ``meta``'s (the real file's) tokenizer.
+    ``arch`` llama: Q/K rows in llama.cpp's permuted order, tied head; qwen2: Q/K/V biases,
+    an untied ``output.weight``, rows in HF order. K-quant types take 256-wide rows."""
     rng = np.random.default_rng(seed)
-    vocab, dim, ffn, heads, kv_heads, layers = len(meta["tokenizer.ggml.tokens"]), 64, 128, 4, 2, 2
+    kquant = qtype in ("Q4_K", "Q6_K")
+    vocab, heads, kv_heads, layers = len(meta["tokenizer.ggml.tokens"]), 4, 2, 2
+    dim, ffn = (256, 512) if kquant else (64, 128)
+    tied = arch == "llama" if tied is None else tied
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(256)
@@ -182,8 +207,8 @@ def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = 
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1e6)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre or meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
@@ -198,8 +223,13 @@ def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = 
 
     def tensor(name: str, shape: tuple[int, ...], heads_of: int | None = None,
                quantize: bool = True) -> None:
+        if quantize and kquant:
+            w.add_tensor(name, random_blocks(rng, shape, q), raw_dtype=q)
+            return
         a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        if heads_of:
+        if len(shape) == 1 and name.endswith("norm.weight"):
+            a += 1.0
+        if heads_of and arch == "llama":
             a = _permute(a, heads_of)
         if quantize and q != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
@@ -207,6 +237,8 @@ def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = 
             w.add_tensor(name, a)
 
     tensor("token_embd.weight", (vocab, dim))
+    if not tied:
+        tensor("output.weight", (vocab, dim))
     tensor("output_norm.weight", (dim,), quantize=False)
     hd = dim // heads
     for i in range(layers):
@@ -215,6 +247,10 @@ def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = 
         tensor(f"blk.{i}.attn_q.weight", (heads * hd, dim), heads)
         tensor(f"blk.{i}.attn_k.weight", (kv_heads * hd, dim), kv_heads)
         tensor(f"blk.{i}.attn_v.weight", (kv_heads * hd, dim))
+        if arch == "qwen2":
+            tensor(f"blk.{i}.attn_q.bias", (heads * hd,), quantize=False)
+            tensor(f"blk.{i}.attn_k.bias", (kv_heads * hd,), quantize=False)
+            tensor(f"blk.{i}.attn_v.bias", (kv_heads * hd,), quantize=False)
         tensor(f"blk.{i}.attn_output.weight", (dim, heads * hd))
         tensor(f"blk.{i}.ffn_gate.weight", (ffn, dim))
         tensor(f"blk.{i}.ffn_up.weight", (ffn, dim))
@@ -226,22 +262,53 @@ def write_tiny_gguf(path: Path, meta: dict, *, qtype: str = "Q8_0", arch: str = 
     return path
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
-def test_tiny_llama_logits_equal_transformers(real, tmp_path: Path, qtype: str):
-    """Random weights through the whole path (quantize → GGUF → import → our decoder) against
-    transformers loading the same file: Q/K rows, tied head, norms, rope all line up."""
+def tiny_tokenizer_meta() -> dict:
+    """A small byte-level BPE (the 256 byte symbols, a few merges, ChatML's control tokens):
+    the tiny files' vocabulary where the real one would only slow the reference's loader."""
+    symbols = [_byte_chars()[b] for b in range(256)]
+    merges = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he", "e r"]
+    tokens = [*symbols, *(m.replace(" ", "") for m in merges),
+              "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - 3) + [CONTROL] * 3,
+            "tokenizer.ggml.pre": "qwen2"}
+
+
+def logits_against_transformers(tmp_path: Path, path: Path) -> float:
+    """The largest gap between our decoder on the imported dir and transformers loading the
+    same GGUF, over a short sequence."""
     transformers = pytest.importorskip("transformers")
-    meta, _ = real
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", meta, qtype=qtype)
     ours = load_model(g.import_gguf(path, tmp_path / "hf"))
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 4093, 198, 6004, 30, 216, 33, 34, 2]])
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 4093, 198, 6004, 30, 216, 33, 34, 2]]) % ours.config.vocab_size
     cache = new_kv_cache(ours.config, 1, 32, torch.float32)
     with torch.no_grad():
         expected = ref(ids).logits
         got, _ = ours(ids, torch.arange(ids.shape[1])[None], cache, kv_len=ids.shape[1])
-    assert (got - expected).abs().max() < 1e-4
+    assert expected.abs().max() > 0.1  # the comparison means something
+    return float((got - expected).abs().max())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
+def test_tiny_llama_logits_equal_transformers(real, tmp_path: Path, qtype: str):
+    """Random weights through the whole path (quantize → GGUF → import → our decoder) against
+    transformers loading the same file: Q/K rows, tied head, norms, rope all line up."""
+    meta, _ = real
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", meta, qtype=qtype)
+    assert logits_against_transformers(tmp_path, path) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"])
+def test_tiny_qwen2_logits_equal_transformers(tmp_path: Path, qtype: str):
+    """qwen2 as the real pair's files have it: Q/K/V biases, an untied output, Q/K rows left
+    in HF order, and each quantization type the two files use."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_tokenizer_meta(), qtype=qtype,
+                           arch="qwen2")
+    config = json.loads((g.import_gguf(path, tmp_path / "hf") / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["tie_word_embeddings"] is False
+    assert logits_against_transformers(tmp_path, path) < 1e-4
 
 
 def test_refusals_name_what_is_not_imported(real, tmp_path: Path, monkeypatch):
@@ -249,7 +316,7 @@ def test_refusals_name_what_is_not_imported(real, tmp_path: Path, monkeypatch):
     cases = [
         (dict(arch="gptneox"), "general.architecture='gptneox'"),
         (dict(extra_kv={"llama.attention.scale": 0.5}), "llama.attention.scale"),
-        (dict(pre="qwen2"), "tokenizer.ggml.pre='qwen2'"),
+        (dict(pre="qwen35"), "tokenizer.ggml.pre='qwen35'"),
     ]
     for i, (kwargs, needle) in enumerate(cases):
         path = write_tiny_gguf(tmp_path / f"bad{i}.gguf", meta, **kwargs)

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, build, demo, distill, evaluate, generate, import_gguf, loadtest, query, serve
+from . import (
+    bench,
+    build,
+    demo,
+    distill,
+    evaluate,
+    fetch,
+    generate,
+    import_gguf,
+    loadtest,
+    query,
+    serve,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="paradraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, bench, build, import_gguf, evaluate, serve, demo, loadtest,
+    for command in (fetch, generate, bench, build, import_gguf, evaluate, serve, demo, loadtest,
                     query, distill):
         command.add_parser(sub)
     args = parser.parse_args(argv)
