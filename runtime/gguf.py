@@ -301,8 +301,27 @@ def tokenizer_config(meta: dict[str, object]) -> dict:
     return config
 
 
-def import_gguf(path: str | Path, out: str | Path) -> Path:
-    """Write the HF-format checkpoint dir of GGUF file ``path`` to ``out``; returns ``out``."""
+def tensor_shapes(path: str | Path, meta: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    """The file's tensors' HF names and shapes, read without dequantizing anything."""
+    gguf = _need_gguf()
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name in _TOP_TENSORS:
+            name = _TOP_TENSORS[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _BLOCK_TENSORS:
+                raise ValueError(f"GGUF tensor {t.name} is not imported (unknown to the "
+                                 f"{meta['general.architecture']} architecture here)")
+            name = f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}"
+        out[name] = tuple(int(n) for n in reversed(t.shape))
+    return out
+
+
+def import_gguf(path: str | Path, out: str | Path, weights: bool = True) -> Path:
+    """Write the HF-format checkpoint dir of GGUF file ``path`` to ``out``; returns ``out``.
+    ``weights=False``: the config, tokenizer and generation files only (what an engine that
+    reads the GGUF itself, llama.cpp, needs beside it)."""
     from safetensors.torch import save_file
 
     path, out = Path(path), Path(out)
@@ -315,9 +334,10 @@ def import_gguf(path: str | Path, out: str | Path) -> Path:
                          f"{', '.join(ARCHITECTURES)})")
     _check_keys(meta, arch)
     tokenizer = hf_tokenizer(meta)  # refuses an unsupported tokenizer before the weights
-    tensors = hf_tensors(path, meta)
+    tensors = hf_tensors(path, meta) if weights else tensor_shapes(path, meta)
     tied = "lm_head.weight" not in tensors
-    vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    vocab_size = (tensors["model.embed_tokens.weight"].shape[0] if weights
+                  else tensors["model.embed_tokens.weight"][0])
     if vocab_size != len(meta["tokenizer.ggml.tokens"]):
         raise ValueError(f"GGUF token_embd has {vocab_size} rows but the tokenizer "
                          f"{len(meta['tokenizer.ggml.tokens'])} tokens")
@@ -336,7 +356,8 @@ def import_gguf(path: str | Path, out: str | Path) -> Path:
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eog,
                   "pad_token_id": config.get("pad_token_id")}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     files = {"config.json": config, "generation_config.json": generation,
              "tokenizer_config.json": tokenizer_config(meta)}

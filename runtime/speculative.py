@@ -149,10 +149,14 @@ class SpeculativeDecoder:
         self.device = device
         self.engine_on_cpu = device.type == "cpu" and not isinstance(verifier, torch.nn.Module)
         size = max_seq_len + self.margin
-        self.cache = new_kv_cache(verifier.config, max_batch_size, size, dtype, device)
+        # an engine that keeps its own cache (llama.cpp) gets none from the decoder
+        self.cache = None if getattr(verifier, "owns_cache", False) else new_kv_cache(
+            verifier.config, max_batch_size, size, dtype, device)
         self.draft_cache: KVCache | None = None
-        if drafter is not None and drafter.model is not None and (
-                not drafter.shares_verifier_cache):
+        # a draft model with a cache of its own (ours, or the engine's)
+        self.separate_draft = drafter is not None and drafter.model is not None and (
+            not drafter.shares_verifier_cache)
+        if self.separate_draft and not getattr(drafter.model, "owns_cache", False):
             self.draft_cache = new_kv_cache(
                 drafter.model.config, max_batch_size, size, drafter.model.dtype, device
             )
@@ -360,7 +364,7 @@ class SpeculativeDecoder:
             for s in slots:
                 self.draft_missed[s] = 0
             return drafts
-        if self.draft_cache is not None:
+        if self.separate_draft:
             for s in slots:
                 self.draft_missed[s] += 1
         if self.draft_len_schedule == "auto":
@@ -602,7 +606,7 @@ class SpeculativeDecoder:
         last = (prompt_lens - 1)[:, None]
         logits, _ = self.verifier(padded, pos, self.cache, kv_len=t_prompt, rows=rows,
                                   output_index=last)
-        if self.draft_cache is not None:
+        if self.separate_draft:
             self.drafter.model(padded, pos, self.draft_cache, kv_len=t_prompt, rows=rows,
                                output_index=last)
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
