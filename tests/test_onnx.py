@@ -220,8 +220,8 @@ def test_fused_draft_graphs_draft_what_single_steps_draft(pair, engines, kind):
 
 def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch):
     """The verifier's graph gets ``threads``, every drafting graph (draft model, parallel
-    draft, self-draft layers, fused steps) ``draft_threads``: one by default, ``threads``
-    with None. A bad count is refused by name. Workers spin only within a run. The decoder
+    draft, self-draft layers, fused steps) ``draft_threads``: one by default (None), else
+    as given. A bad count is refused by name. Workers spin only within a run. The decoder
     runs its own torch ops on one thread unless top-p sorts the vocabulary; the sessions
     keep their counts."""
     from paradraft.runtime.backends.ort import Graph
@@ -236,7 +236,7 @@ def test_drafting_graphs_run_on_their_own_thread_count(pair_engines, monkeypatch
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(2)  # so that one glue thread is a change (CI may have one core)
     try:
-        for draft_threads, want in ((1, 1), (None, 2)):
+        for draft_threads, want in ((None, 1), (2, 2)):
             verifier, drafters, _, _ = load_engines(pair_engines, threads=2,
                                                     draft_threads=draft_threads)
             dec = SpeculativeDecoder(verifier, drafters["self"], RuleParams("greedy"), k=3,

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from paradraft.build import llamacpp as llamacpp_build
 from paradraft.build import onnx as onnx_build
 from paradraft.build import tensorrt as tensorrt_build
 from paradraft.build import trtllm as trtllm_build
@@ -30,16 +31,19 @@ from .common import add_rule_args, checkpoint, rule_params
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="export the verifier and drafts to an engine dir")
-    p.add_argument("--verifier", type=checkpoint, default=None,
-                    help="HF-format dir (default: the demo verifier, draft and parallel_draft)")
-    p.add_argument("--draft", type=checkpoint, default=None,
+    p.add_argument("--verifier", default=None,
+                    help="HF-format dir or .gguf (default: the demo verifier, draft and "
+                         "parallel_draft); --backend llamacpp takes a .gguf as it is")
+    p.add_argument("--draft", default=None,
                    help="HF-format dir (or .gguf) of the draft model")
-    p.add_argument("--parallel-draft", type=checkpoint, default=None,
+    p.add_argument("--parallel-draft", default=None,
                    help="HF-format dir (PARD-style draft)")
     p.add_argument("--self-draft-layers", type=int, default=None,
                     help="verifier layers of the self-draft graphs, built only when given "
                          "or set in the verifier's config (self_draft_layers)")
-    p.add_argument("--backend", choices=["onnx", "tensorrt", "trtllm"], default="onnx")
+    p.add_argument("--backend", choices=["onnx", "tensorrt", "trtllm", "llamacpp"],
+                   default="onnx", help="onnx (ONNX Runtime, CPU), tensorrt, trtllm, or "
+                   "llamacpp (GGUF files run by llama.cpp on the CPU: `make llamacpp`)")
     p.add_argument("--out", default="engines", help="engine dir to write")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-k", type=int, default=8)
@@ -154,7 +158,37 @@ def weights_options(args: argparse.Namespace) -> dict:
     return options
 
 
+# the options --backend llamacpp reads besides the models, limits and rule defaults: what it
+# refuses is every other option left away from its default
+LLAMACPP_UNREAD = {"parallel_draft": None, "self_draft_layers": None, "precision": "fp32",
+                   "draft_precision": None, "weights_dtype": None, "weights": None,
+                   "weights_block_size": None}
+
+
+def run_llamacpp(args: argparse.Namespace) -> None:
+    given = [k for k, v in {**LLAMACPP_UNREAD, **TRTLLM_PARALLEL_DEFAULTS,
+                            **TRTLLM_DEPLOY_DEFAULTS}.items() if getattr(args, k) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags}: not read by --backend llamacpp (the GGUF's own quantized "
+                         "weights run as they are; drafters: --draft, ngram)")
+    if args.verifier is None:
+        raise ValueError("--backend llamacpp needs --verifier FILE.gguf (and --draft "
+                         "FILE.gguf for a draft model)")
+    manifest = llamacpp_build.build_engines(
+        args.verifier, args.out, args.draft, rule_defaults=rule_params(args),
+        max_batch_size=args.max_batch_size, max_k=args.max_k, max_seq_len=args.max_seq_len)
+    print(f"wrote {Path(args.out) / 'manifest.json'} (llamacpp): "
+          f"{', '.join(manifest['checksums'])}")
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.backend == "llamacpp":
+        return run_llamacpp(args)
+    # the other backends read HF-format dirs: a .gguf is imported (once, into the cache)
+    for name in ("verifier", "draft", "parallel_draft"):
+        if getattr(args, name) is not None:
+            setattr(args, name, checkpoint(getattr(args, name)))
     compressed = weights_options(args)
     if args.backend == "trtllm":
         if getattr(args, "weights_dtype", None) is not None:

@@ -56,9 +56,10 @@ def rule_params(args: argparse.Namespace, calibration: dict | None = None) -> Ru
 
 
 def add_draft_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-threads", type=int, default=1, metavar="N",
-                   help="ONNX Runtime intra-op threads of the drafting graphs (engine dirs; "
-                        "default 1: a draft call's nodes are too small to share)")
+    p.add_argument("--draft-threads", type=int, default=None, metavar="N",
+                   help="threads of the drafting engines (engine dirs). Default: 1 for ONNX "
+                        "Runtime graphs (a draft call's nodes are too small to share), all "
+                        "cores for llama.cpp (a draft step is a whole model's matmuls)")
 
 
 def add_ngram_args(p: argparse.ArgumentParser) -> None:

@@ -54,7 +54,7 @@ def _silence(lib) -> None:
     global _quiet
     if _quiet is None:
         @lib.llama_log_callback
-        def quiet(level, text, user_data):  # noqa: ARG001
+        def quiet(level, text, user_data):
             if level == 4:  # GGML_LOG_LEVEL_ERROR
                 os.write(2, text)
         _quiet = quiet
@@ -71,7 +71,8 @@ class LlamaCppModel:
     owns_cache = True
 
     def __init__(self, path: str | Path, config: ModelConfig, max_batch_size: int,
-                 max_positions: int, threads: int | None = None, n_ubatch: int = 512):
+                 max_positions: int, threads: int | None = None, n_ubatch: int = 512,
+                 repack: bool = True):
         lib = need_llama_cpp()
         _silence(lib)
         if not 1 <= max_batch_size <= MAX_SEQUENCES:
@@ -86,6 +87,7 @@ class LlamaCppModel:
         self.threads = threads or len(os.sched_getaffinity(0))
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mp.use_extra_bufts = repack
         self._model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path}")
@@ -211,10 +213,15 @@ class LlamaCppModel:
 
     def _roll_back(self, seqs: np.ndarray, first: np.ndarray) -> None:
         """Drop each sequence's entries from the position it is fed from; refuse a gap."""
-        for s, p in zip(seqs.tolist(), first.tolist(), strict=True):
-            if p > self._stored[s]:
-                raise ValueError(f"llama.cpp backend: row {s} is fed from position {p} but "
-                                 f"its cache holds positions < {int(self._stored[s])}")
-            if p < self._stored[s]:
-                self.lib.llama_memory_seq_rm(self._memory, s, p, -1)
-                self._stored[s] = p
+        stored = self._stored[seqs]
+        gap = first > stored
+        if gap.any():
+            s = int(seqs[gap][0])
+            raise ValueError(f"llama.cpp backend: row {s} is fed from position "
+                             f"{int(first[gap][0])} but its cache holds positions < "
+                             f"{int(self._stored[s])}")
+        # one C call per row that rolls back (llama.cpp's API is per sequence)
+        for s, p in zip(seqs[first < stored].tolist(), first[first < stored].tolist(),
+                        strict=True):
+            self.lib.llama_memory_seq_rm(self._memory, s, p, -1)
+        self._stored[seqs] = np.minimum(stored, first)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..drafters import DRAFTERS, AnyDrafter, Drafter
 from ..model import ModelConfig
+from .llamacpp import LlamaCppModel
 from .manifest import MANIFEST, read_manifest
 from .ort import OrtModel
 from .trt import load_trt_model
@@ -24,30 +25,44 @@ def model_config(engine_dir: Path, name: str, config: dict) -> ModelConfig:
                          f"cannot read ({e}); rebuild the engines") from None
 
 
+def cache_positions(limits: dict) -> int:
+    """Positions per row an engine that keeps its own cache must hold: the decoder writes a
+    round's drafts and verify positions past a row's length (its margin, 2K + 2)."""
+    return limits["max_seq_len"] + 2 * limits["max_k"] + 2
+
+
 def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
-    draft_threads: int | None = 1, ngram_min: int | None = None, ngram_max: int | None = None,
+    draft_threads: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
 ) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
 
-    ``threads``: ONNX Runtime intra-op threads of the verifier (default: torch's);
-    ``draft_threads``: of every drafting graph (None: ``threads``). One by default: a draft
-    call is a few hundred tiny nodes, and waking a second (non-spinning) worker for them
-    costs more than it saves (docs/results.md). ``ngram_min`` / ``ngram_max``: the ngram
-    drafter's suffix lengths (default: NgramDrafter's)."""
+    ``threads``: ONNX Runtime intra-op threads of the verifier (default: torch's), or
+    llama.cpp's threads; ``draft_threads``: of every drafting graph. Default: one for ONNX
+    Runtime, where a draft call is a few hundred tiny nodes and waking a second
+    (non-spinning) worker for them costs more than it saves (docs/results.md); ``threads``
+    for llama.cpp, whose draft step is a whole model's matrix products. ``ngram_min`` /
+    ``ngram_max``: the ngram drafter's suffix lengths (default: NgramDrafter's)."""
     if draft_threads is not None and (not isinstance(draft_threads, int)
                                       or isinstance(draft_threads, bool) or draft_threads < 1):
         raise ValueError(f"draft_threads must be an integer >= 1 or None; got {draft_threads!r}")
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    if manifest["backend"] not in ("onnx", "tensorrt"):
+    if manifest["backend"] not in ("onnx", "tensorrt", "llamacpp"):
         raise ValueError(f"{engine_dir}: backend {manifest['backend']!r} is not supported by "
-                         "this runtime; supported: onnx, tensorrt")
+                         "this runtime; supported: onnx, tensorrt, llamacpp")
+    if draft_threads is None:
+        draft_threads = threads if manifest["backend"] == "llamacpp" else 1
 
     def engine(name: str, threads: int | None = threads) -> OrtModel:
         if manifest["backend"] == "tensorrt":  # plans next to the ONNX graphs, on the GPU
             return load_trt_model(engine_dir, manifest, name)
+        if manifest["backend"] == "llamacpp":  # the GGUF itself; llama.cpp keeps the cache
+            m, limits = manifest["models"][name], manifest["limits"]
+            return LlamaCppModel(
+                engine_dir / m["weights"], model_config(engine_dir, name, m["config"]),
+                limits["max_batch_size"], cache_positions(limits), threads)
         m = manifest["models"][name]
         graphs = {None: engine_dir / m["graphs"]["logits"]["file"]}
         if "self_draft" in m["graphs"]:
@@ -76,7 +91,7 @@ def load_engines(
             drafters[kind] = Drafter("self", verifier, num_layers=built)
         else:
             # a separate draft engine only drafts
-            drafters[kind] = Drafter(kind, engine(name, draft_threads or threads))
+            drafters[kind] = Drafter(kind, engine(name, draft_threads))
     drafters["ngram"] = Drafter("ngram", ngram_min=ngram_min, ngram_max=ngram_max)
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest

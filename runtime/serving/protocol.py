@@ -66,7 +66,8 @@ class ServeConfig:
     # gathered (SGLang's --stream-interval): each response is an IPC hop to the server
     # process, which a busy CPU pays for in throughput
     stream_interval: int = 1
-    draft_threads: int = 1  # ONNX Runtime intra-op threads of the drafting graphs
+    # threads of the drafting engines; None: the backend's default (load_engines)
+    draft_threads: int | None = None
     acceptance_floor: float = 0.6  # warn when the running acceptance rate falls below
     # verify and correct in one engine call (engine dirs with a correction graph): on | off |
     # auto, as SpeculativeDecoder's fused_correction
@@ -85,6 +86,8 @@ class ServeConfig:
                           ("max_input_tokens", 1), ("stream_interval", 1),
                           ("draft_threads", 1), ("instances", 1)]:
             value = getattr(self, name)
+            if name == "draft_threads" and value is None:
+                continue
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
         check_range("acceptance_floor", self.acceptance_floor, 0.0, 1.0)

@@ -1,0 +1,162 @@
+"""The llama.cpp backend (runtime/backends/llamacpp.py, build/llamacpp.py) on tiny random
+qwen2 GGUFs: its logits against our torch decoder on the imported weights, rollback, greedy
+speculation equal to greedy plain decoding through the engine dir, and the refusals.
+
+llama-cpp-python compiles from its sdist (`make llamacpp`), so these tests skip, saying so,
+where it is not installed; `make test-llamacpp` installs it and runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from paradraft.cli.main import main
+from paradraft.runtime import gguf as g
+from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.model import load_config, load_model, new_kv_cache
+from paradraft.runtime.speculative import SpeculativeDecoder
+
+pytest.importorskip("gguf")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llamacpp)")
+from paradraft.runtime.backends.llamacpp import LlamaCppModel  # noqa: E402
+from test_gguf import tiny_tokenizer_meta, write_tiny_gguf  # noqa: E402
+
+
+def sharpen_gguf(path: Path) -> None:
+    """Scale the F32 output norm so the random model's next-token distributions are peaked:
+    greedy choices then have no near-ties for two kernels' rounding to flip."""
+    reader = __import__("gguf").GGUFReader(str(path), "r+")
+    for t in reader.tensors:
+        if t.name == "output_norm.weight":
+            t.data[:] = t.data * 8.0
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A qwen2 verifier (Q8_0) and a different random draft (Q4_K) over one tokenizer."""
+    d = tmp_path_factory.mktemp("tiny_qwen2")
+    meta = tiny_tokenizer_meta()
+    verifier = write_tiny_gguf(d / "verifier.gguf", meta, qtype="Q8_0", arch="qwen2")
+    draft = write_tiny_gguf(d / "draft.gguf", meta, qtype="Q8_0", arch="qwen2", seed=1)
+    for f in (verifier, draft):
+        sharpen_gguf(f)
+    return verifier, draft
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_logits_match_our_decoder_on_the_same_file(tmp_path: Path, qtype: str):
+    """llama.cpp's logits at every position against our fp32 decoder on the imported
+    weights. llama.cpp quantizes the activations to 8 bits before each product, so they
+    agree to a tolerance, not bit for bit; the argmax agrees wherever our top two logits are
+    further apart than that."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_tokenizer_meta(), qtype=qtype,
+                           arch="qwen2")
+    ours = load_model(g.import_gguf(path, tmp_path / "hf"))
+    engine = LlamaCppModel(path, ours.config, 1, 64, threads=1)
+    ids = torch.tensor([[1, 40, 198, 60, 30, 216, 33, 34, 2, 77, 91, 5]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        expected, _ = ours(ids, pos, new_kv_cache(ours.config, 1, 64, torch.float32),
+                           kv_len=ids.shape[1])
+    got, _ = engine(ids, pos)
+    assert got.shape == expected.shape
+    scale = float(expected.abs().max())
+    assert scale > 0.1  # the comparison means something
+    gap = float((got - expected).abs().max())
+    assert gap < 0.05 * scale
+    top2 = expected.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * gap
+    assert clear.sum() >= ids.shape[1] // 2
+    assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+def test_rows_are_sequences_and_rollback_drops_the_tail(tiny_pair):
+    """Rows keep separate caches; feeding a row from an earlier position drops what it held
+    from there (the decoder's rollback), so the logits equal a fresh decode of the kept
+    tokens; a gap is refused by name."""
+    verifier, _ = tiny_pair
+    config = load_config(g.import_gguf(verifier, verifier.parent / "cfg", weights=False))
+    engine = LlamaCppModel(verifier, config, 2, 64, threads=1)
+    a = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    b = torch.tensor([[50, 60, 70, 80, 90, 100]])
+    pos = torch.arange(6)[None]
+    engine(torch.cat([a, b]), torch.cat([pos, pos]))
+    # row 0 rewrites positions 3..5 with row 1's tokens; row 1 is untouched
+    got, _ = engine(b[:, 3:], pos[:, 3:], rows=torch.tensor([0]))
+    fresh = LlamaCppModel(verifier, config, 1, 64, threads=1)
+    want, _ = fresh(torch.cat([a[:, :3], b[:, 3:]], 1), pos)
+    np.testing.assert_allclose(got.numpy(), want[:, 3:].numpy(), atol=1e-4)
+    next_b, _ = engine(torch.tensor([[7]]), torch.tensor([[6]]), rows=torch.tensor([1]))
+    want_b, _ = fresh(torch.cat([b, torch.tensor([[7]])], 1), torch.arange(7)[None])
+    np.testing.assert_allclose(next_b[:, 0].numpy(), want_b[:, 6].numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="row 1 is fed from position 9"):
+        engine(torch.tensor([[1]]), torch.tensor([[9]]), rows=torch.tensor([1]))
+    with pytest.raises(ValueError, match="audit=True"):
+        engine(a, pos, audit=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_pair, tmp_path_factory) -> Path:
+    verifier, draft = tiny_pair
+    out = tmp_path_factory.mktemp("llamacpp_engines")
+    main(["build", "--backend", "llamacpp", "--verifier", str(verifier), "--draft", str(draft),
+          "--max-batch-size", "3", "--max-k", "4", "--max-seq-len", "96", "--out", str(out)])
+    return out
+
+
+def test_engine_dir_stands_alone(tiny_engines: Path, tiny_pair):
+    manifest = json.loads((tiny_engines / "manifest.json").read_text())
+    assert manifest["backend"] == "llamacpp"
+    assert manifest["drafters"] == {"model": "draft"}
+    assert set(manifest["checksums"]) == {"verifier.gguf", "draft.gguf", "tokenizer.json"}
+    assert (tiny_engines / "verifier.gguf").read_bytes() == tiny_pair[0].read_bytes()
+    verifier, drafters, tokenizer, _ = load_engines(tiny_engines, threads=1)
+    assert tokenizer == tiny_engines / "tokenizer.json"
+    assert sorted(drafters) == ["model", "ngram"]
+    assert verifier.owns_cache and drafters["model"].model.threads == 1
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_speculation_equals_plain_decoding(tiny_engines: Path, drafter: str):
+    """Ragged batch of three, K=3: the random draft is rejected often, so every round rolls
+    llama.cpp's caches back; the tokens equal plain greedy decoding's."""
+    verifier, drafters, _, _ = load_engines(tiny_engines, threads=1)
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 101, 102, 103, 104, 105, 106, 5, 6, 7]]
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=3,
+                               max_seq_len=96).generate(prompts, 24)
+    verifier.reset()
+    dec = SpeculativeDecoder(verifier, drafters[drafter], RuleParams("greedy"), k=3,
+                             max_batch_size=3, max_seq_len=96)
+    spec = dec.generate(prompts, 24)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.draft_tokens > 0
+    if drafter == "model":  # a random draft: rejections, so rollbacks happened
+        assert spec.stats.rollbacks > 0
+
+
+def refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_build_refuses_what_it_does_not_read(tiny_pair, hf_models, tmp_path: Path, capsys):
+    verifier, _ = tiny_pair
+    build = ["build", "--backend", "llamacpp", "--out", str(tmp_path / "out")]
+    assert "is not one" in refusal([*build, "--verifier", hf_models["qwen2"][1]], capsys)
+    assert "--weights: not read by --backend llamacpp" in refusal(
+        [*build, "--verifier", str(verifier), "--weights", "int4"], capsys)
+    assert "needs --verifier" in refusal(build, capsys)
+    meta = tiny_tokenizer_meta()
+    tokens = meta["tokenizer.ggml.tokens"]
+    # the same tokens, two control ids swapped: a draft that would propose the wrong ids
+    other = write_tiny_gguf(tmp_path / "other.gguf", {
+        **meta, "tokenizer.ggml.tokens": [*tokens[:-2], tokens[-1], tokens[-2]]}, arch="qwen2")
+    assert "differs from the verifier's" in refusal(
+        [*build, "--verifier", str(verifier), "--draft", str(other)], capsys)
