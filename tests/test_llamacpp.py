@@ -23,8 +23,9 @@ from paradraft.runtime.speculative import SpeculativeDecoder
 
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make llamacpp)")
-from paradraft.runtime.backends.llamacpp import LlamaCppModel  # noqa: E402
-from test_gguf import tiny_tokenizer_meta, write_tiny_gguf  # noqa: E402
+from test_gguf import tiny_tokenizer_meta, write_tiny_gguf
+
+from paradraft.runtime.backends.llamacpp import LlamaCppModel
 
 
 def sharpen_gguf(path: Path) -> None:

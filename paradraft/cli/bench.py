@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -59,8 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the whole plan this many times in turn; tokens/s are medians, "
                    "ratios the medians of per-repeat ratios")
     p.add_argument("--backends", default="torch",
-                   help="comma list of torch, onnx, tensorrt (with --engines): run our "
-                   "variants on each, side by side")
+                   help="comma list of torch, onnx, tensorrt, llamacpp (the last two with "
+                   "--engines): run our variants on each, side by side")
     p.add_argument("--engines", default=None,
                    help="engine dir for the onnx or tensorrt backend (onnx default: build "
                    "into a temp dir)")
@@ -71,10 +72,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("OpenVINO GenAI beside our rows (optional; its own environment)")
-    g.add_argument("--peer", choices=["openvino"], default=None,
-                   help="also run OpenVINO GenAI on the same checkpoints (optimum-intel "
-                        "exports), prompts and K, interleaved with our rows")
+    g = p.add_argument_group("a peer runtime beside our rows (optional)")
+    g.add_argument("--peer", choices=["openvino", "llamacpp"], default=None,
+                   help="openvino: OpenVINO GenAI on the same checkpoints (optimum-intel "
+                        "exports; its own environment); llamacpp: llama.cpp's own programs "
+                        "(built once into the cache) on the GGUF files of --engines (a "
+                        "llamacpp engine dir), batch 1; both on the same prompts and K, "
+                        "interleaved with our rows")
     g.add_argument("--openvino-python", default=None, metavar="PYTHON",
                    help="interpreter with openvino-genai and optimum-intel (default: this one)")
     g.add_argument("--openvino-precisions", default="fp32,default,int8", metavar="LIST",
@@ -84,14 +88,39 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                    help="where the OpenVINO exports are kept (default: OUT/openvino)")
 
 
-def openvino_peer(args: argparse.Namespace):
-    """The OpenVINO peer ``--peer`` asks for, or None (its options refused without it)."""
+def llamacpp_peer(args: argparse.Namespace):
+    """llama.cpp's programs on the GGUF files of ``--engines`` (a llamacpp engine dir)."""
+    from paradraft.runtime.backends.manifest import read_manifest
+    from paradraft.runtime.checkpoints import load_tokenizer
+    from paradraft.runtime.tools.peer_llamacpp import LlamaCppPeer
+
+    if args.engines is None:
+        raise ValueError("--peer llamacpp runs the GGUF files of --engines: pass a "
+                         "`paradraft build --backend llamacpp` dir")
+    manifest = read_manifest(args.engines, verify=False)
+    if manifest["backend"] != "llamacpp":
+        raise ValueError(f"--peer llamacpp needs a llamacpp engine dir; {args.engines} holds "
+                         f"{manifest['backend']} engines")
+    models = manifest["models"]
+    draft = models.get("draft") if "model" in args.drafters.split(",") else None
+    tokenizer = load_tokenizer(args.engines)
+    return LlamaCppPeer(
+        verifier=Path(args.engines) / models["verifier"]["weights"],
+        draft=Path(args.engines) / draft["weights"] if draft else None,
+        threads=len(os.sched_getaffinity(0)),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def make_peer(args: argparse.Namespace):
+    """The peer ``--peer`` asks for, or None (the OpenVINO options refused without it)."""
+    given = [f for f, v in (("--openvino-python", args.openvino_python),
+                            ("--openvino-cache", args.openvino_cache)) if v is not None]
+    if args.peer != "openvino" and given:
+        raise ValueError(f"{', '.join(given)}: only read with --peer openvino")
     if args.peer is None:
-        given = [f for f, v in (("--openvino-python", args.openvino_python),
-                                ("--openvino-cache", args.openvino_cache)) if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: only read with --peer openvino")
         return None
+    if args.peer == "llamacpp":
+        return llamacpp_peer(args)
     from paradraft.runtime.tools.peer_openvino import OpenVinoPeer
 
     if "model" in args.drafters.split(",") and args.draft is None:
@@ -120,7 +149,8 @@ def bench_engines(args: argparse.Namespace, tmp: str, max_k: int
                                                    **ngram_sizes(args, names))
     # a correction session per rule the plan runs: its fused rows measure the fused path,
     # not the fallback past the default cap
-    verifier.max_correction_sessions = max(verifier.max_correction_sessions, len(RULES))
+    if hasattr(verifier, "max_correction_sessions"):  # engines with a correction graph
+        verifier.max_correction_sessions = max(verifier.max_correction_sessions, len(RULES))
     missing = [n for n in names if n not in drafters]
     if missing:
         raise ValueError(f"drafters {missing} were not built into {engine_dir}; "
@@ -153,13 +183,15 @@ def openvino_comparison(args: argparse.Namespace, rows: list, peer, prompts: lis
 
 def run(args: argparse.Namespace) -> None:
     backends = args.backends.split(",")
-    if not backends or any(b not in ("torch", "onnx", "tensorrt") for b in backends):
-        raise ValueError("backends must be a comma list of torch, onnx, tensorrt; got "
-                         f"{args.backends!r}")
-    if "tensorrt" in backends and ("onnx" in backends or args.engines is None):
-        # one --engines dir per run, and a TensorRT build takes minutes: not done on the side
-        raise ValueError("backends: tensorrt needs --engines (a paradraft build --backend "
-                         "tensorrt dir) and cannot run beside onnx in one bench run")
+    if not backends or any(b not in ("torch", "onnx", "tensorrt", "llamacpp")
+                           for b in backends):
+        raise ValueError("backends must be a comma list of torch, onnx, tensorrt, llamacpp; "
+                         f"got {args.backends!r}")
+    for built in ("tensorrt", "llamacpp"):
+        if built in backends and (len(set(backends) - {"torch"}) > 1 or args.engines is None):
+            # one --engines dir per run, built beforehand (`paradraft build --backend ...`)
+            raise ValueError(f"backends: {built} needs --engines (a paradraft build --backend "
+                             f"{built} dir) and cannot run beside another engine backend")
     ks = int_list(args.ks, "ks", 1, 16)
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
     if args.repeats < 1:
@@ -170,10 +202,11 @@ def run(args: argparse.Namespace) -> None:
                          f"{args.fused_correction!r}")
     chat_ids: tuple[int, ...] = ()
     if args.prompt_file:
-        prompts, chat_ids = read_prompt_file(args.prompt_file, args.verifier)
+        # the engine dir carries the tokenizer and chat template its engines were built with
+        prompts, chat_ids = read_prompt_file(args.prompt_file, args.engines or args.verifier)
     else:
         prompts = eval_prompts(args)
-    peer = openvino_peer(args)  # checked before anything is built
+    peer = make_peer(args)  # checked before anything is built
     rows = []
     draft_precision = None  # of the onnx engines' drafting graphs
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
@@ -196,8 +229,10 @@ def run(args: argparse.Namespace) -> None:
             backend_rows = run_bench(verifier, drafters, prompts, args.max_new_tokens,
                                      batch_sizes, ks, hf_dirs, seed=args.seed,
                                      temperature=args.temperature, repeats=args.repeats,
-                                     # torch verifies in torch: nothing to fuse
-                                     fused_modes=fused_modes if backend != "torch" else ("off",),
+                                     # torch verifies in torch, llama.cpp returns logits:
+                                     # nothing to fuse
+                                     fused_modes=fused_modes if backend not in (
+                                         "torch", "llamacpp") else ("off",),
                                      eos_token_id=eos, sampling_rows=not args.greedy_only,
                                      peer=peer if i == 0 else None)
             for r in backend_rows:  # the peers run transformers' own code on torch
@@ -227,8 +262,13 @@ def run(args: argparse.Namespace) -> None:
                 "efficiency": "speedup_vs_baseline / bound",
                 "phase_share": "draft, verify, correct, prefill, other (= wall clock - the "
                                "four) over the wall clock"}}
-    if peer is not None:
+    if args.peer == "openvino":
         meta["openvino"] = openvino_comparison(args, rows, peer, prompts, eos)
+    elif args.peer == "llamacpp":
+        from paradraft.runtime.tools.peer_llamacpp import compare
+
+        meta["llamacpp"] = compare(rows)
+        print("llama.cpp beside ours:", json.dumps(meta["llamacpp"], indent=2))
     write_outputs(rows, Path(args.out), meta)
     print_rows(rows)
     print(json.dumps(summary(rows), indent=2))

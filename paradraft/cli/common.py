@@ -97,7 +97,8 @@ def add_fused_correction_arg(p: argparse.ArgumentParser, several: bool = False) 
     if several:
         p.add_argument("--fused-correction", default="on,off", metavar="MODES",
                        help=f"{what}. A comma list of on, off, auto, each run as its own rows "
-                            "for the engine backends (torch rows: off); default on,off")
+                            "for the ONNX Runtime and TensorRT backends (torch and llamacpp "
+                            "rows: off, as they have no correction graph); default on,off")
     else:
         p.add_argument("--fused-correction", choices=("on", "off", "auto"), default="auto",
                        help=f"{what}. auto: on where measured faster (docs/engines.md); "

@@ -41,6 +41,7 @@ from ..k_policy import analytic_length
 from ..metrics import SpecStats, aggregate
 from ..model import Transformer
 from ..speculative import EosIds, SpeculativeDecoder
+from . import humaneval
 
 
 @dataclass
@@ -132,10 +133,14 @@ def read_prompt_file(path: str | Path, model_dir: str | Path
     (through ``model_dir``'s chat template, ending in the assistant's turn) or
     ``{"prompt": "..."}`` (text, with the tokenizer's special tokens), and the end-of-turn
     ids its chat requests stop at (none without one). Blank lines are skipped; a bad line is
-    refused naming its number and the field."""
+    refused naming its number and the field. ``humaneval[:N]`` instead of a path: the first
+    N HumanEval problems as chat requests (``humaneval.py``)."""
     tokenizer = load_tokenizer(model_dir)
     prompts, chat = [], False
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    count = humaneval.parse_spec(path)
+    lines = (Path(path).read_text(encoding="utf-8").splitlines() if count is False else
+             [json.dumps(humaneval.chat_request(p)) for p in humaneval.problems(count)])
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}, line {number}"
@@ -407,7 +412,8 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
     """``eos_token_id``: where every variant's requests stop (None: each decodes
     ``max_new_tokens``, so all variants decode the same number of tokens; with end ids
     greedy variants still do, as they emit the same tokens). ``peer``: a
-    ``peer_openvino.OpenVinoPeer``, whose rows join the plan (interleaved with ours)."""
+    ``peer_openvino.OpenVinoPeer`` or ``peer_llamacpp.LlamaCppPeer``, whose rows join the
+    plan (interleaved with ours)."""
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
@@ -434,7 +440,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                 ngram = lookup.ngram_max if row.variant == "prompt_lookup" else None
                 run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
                        row.k, row, ngram, eos_token_id)
-            elif row.system == "openvino":
+            elif row.system in ("openvino", "llamacpp"):
                 peer.run(row, batch_prompts, max_new_tokens, eos_token_id)
             else:
                 params = RuleParams(row.rule, temperature=temperature)
@@ -442,7 +448,7 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
                          max_new_tokens, row.batch_size, seed, row, eos_token_id=eos_token_id)
             row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
                                                 else 0.0)
-            if row.system == "ours":
+            if row.system in ("ours", "llamacpp"):  # those that time their prefill apart
                 row.repeat_decode_tokens_per_second.append(
                     row.decode_tokens / row.decode_seconds if row.decode_seconds else 0.0)
             progress.update()
@@ -637,7 +643,7 @@ def write_outputs(rows: list[BenchRow], out_dir: Path, meta: dict) -> None:
     # the first backend in its first fused mode, and the transformers peers (measured
     # against its baseline)
     first = rows[0]
-    rows = [r for r in rows if r.system in ("hf", "openvino") or (
+    rows = [r for r in rows if r.system in ("hf", "openvino", "llamacpp") or (
         r.backend == first.backend and r.fused_correction == first.fused_correction)]
     bs0 = min(r.batch_size for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
