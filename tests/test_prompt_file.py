@@ -119,6 +119,28 @@ def test_cli_generate_with_ngram_equals_no_speculation_and_sizes_are_checked(pai
     assert r.returncode == 2 and "ngram_min must be an integer in [1, 16]; got 0" in r.stderr
     r = run_cli(*common, "--drafter", "self", "--ngram-max", "3")
     assert r.returncode == 2 and "--ngram-max is for the ngram drafter" in r.stderr
+    # a named verifier never meets the toy draft: a model drafter needs --draft
+    for drafter in ("model", "parallel"):
+        r = run_cli(*common, "--drafter", drafter)
+        assert r.returncode == 2 and f"--drafter {drafter} needs --draft" in r.stderr
+        assert "ngram, self" in r.stderr
+
+
+def test_cli_refuses_a_verifier_whose_tokenizer_is_not_the_engines(chat_dir, tmp_path):
+    """--engines with --verifier: the ids mean the engine dir's tokens, so a verifier with
+    another tokenizer.json is refused, naming it, before anything is loaded."""
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    other = json.loads((chat_dir / "tokenizer.json").read_text())
+    added = {"id": 10**6, "content": "<x>", "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True}
+    other["added_tokens"] = [*other.get("added_tokens", []), added]
+    (engines / "tokenizer.json").write_text(json.dumps(other))
+    verifier = str(DEMO_DIR / "verifier")
+    for command in (["generate", "--prompt", "hi"], ["bench", "--backends", "onnx"]):
+        r = run_cli(*command, "--engines", str(engines), "--verifier", verifier)
+        assert r.returncode == 2, r.stderr
+        assert f"--verifier {verifier}: its tokenizer.json differs" in r.stderr
 
 
 def test_greedy_only_plans_no_sampling_rows():

@@ -12,9 +12,7 @@ from paradraft.runtime.serving.protocol import ServeConfig
 
 def serve_args(**overrides) -> argparse.Namespace:
     """What `paradraft serve` parses, with its defaults (the options left unset are None)."""
-    from paradraft.runtime.checkpoints import DEMO_DIR
-
-    options = dict(verifier=str(DEMO_DIR / "verifier"), draft=None, drafter="model", engines=None,
+    options = dict(verifier=None, draft=None, drafter="model", engines=None,
                    k=None, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
                    stream_interval=1, draft_threads=1, acceptance_floor=0.6,
@@ -73,6 +71,11 @@ def test_serve_takes_its_defaults_and_limits_from_the_engine_manifest(tmp_path):
     # checkpoints: the documented defaults
     config = serve_config(serve_args())
     assert (config.max_slots, config.max_seq_len, config.rule, config.k) == (16, 512, "greedy", 4)
+    # the toy draft only with the toy verifier: a named verifier needs its own draft
+    assert config.draft.endswith("draft") and config.verifier.endswith("verifier")
+    with pytest.raises(ValueError, match=r"drafter 'model' needs --draft .* ngram, self"):
+        serve_config(serve_args(verifier=config.verifier))
+    assert serve_config(serve_args(verifier=config.verifier, drafter="ngram")).drafter == "ngram"
 
 
 def engine_manifest(tmp_path, backend="onnx", graphs=("logits", "correction")) -> str:

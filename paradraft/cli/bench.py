@@ -31,10 +31,13 @@ from .common import (
     add_eval_args,
     add_fused_correction_arg,
     add_ngram_args,
+    apply_demo_defaults,
+    check_same_tokenizer,
     device_and_dtype,
     eval_prompts,
     int_list,
     load_drafters,
+    need_verifier,
     ngram_sizes,
 )
 
@@ -182,16 +185,24 @@ def openvino_comparison(args: argparse.Namespace, rows: list, peer, prompts: lis
 
 
 def run(args: argparse.Namespace) -> None:
+    apply_demo_defaults(args)
+    check_same_tokenizer(args)
     backends = args.backends.split(",")
     if not backends or any(b not in ("torch", "onnx", "tensorrt", "llamacpp")
                            for b in backends):
         raise ValueError("backends must be a comma list of torch, onnx, tensorrt, llamacpp; "
                          f"got {args.backends!r}")
     for built in ("tensorrt", "llamacpp"):
-        if built in backends and (len(set(backends) - {"torch"}) > 1 or args.engines is None):
-            # one --engines dir per run, built beforehand (`paradraft build --backend ...`)
+        if built not in backends:
+            continue
+        # one --engines dir per run, built beforehand (`paradraft build --backend ...`)
+        if args.engines is None:
             raise ValueError(f"backends: {built} needs --engines (a paradraft build --backend "
-                             f"{built} dir) and cannot run beside another engine backend")
+                             f"{built} dir)")
+        others = sorted(set(backends) - {"torch", built})
+        if others:
+            raise ValueError(f"backends: {built} cannot run beside {', '.join(others)} (one "
+                             "--engines dir per run; bench each backend on its own)")
     ks = int_list(args.ks, "ks", 1, 16)
     batch_sizes = int_list(args.batch_sizes, "batch_sizes", 1, 256)
     if args.repeats < 1:
@@ -212,6 +223,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="paradraft-engines-") as tmp:
         for i, backend in enumerate(backends):
             if backend == "torch":
+                need_verifier(args, "--backends torch")
                 device, dtype = device_and_dtype(args)
                 verifier = load_model(args.verifier, dtype=dtype, device=device)
                 drafters = load_drafters(args, verifier)
@@ -222,7 +234,8 @@ def run(args: argparse.Namespace) -> None:
                                      f"engines, not {backend}")
                 draft_precision = manifest.get("draft_precision", "float32")
             # the transformers peers run once, with the first backend
-            hf_dirs = None if args.no_hf or i else (args.verifier, args.draft)
+            hf_dirs = None if args.no_hf or i or args.verifier is None else (
+                args.verifier, args.draft)
             # a prompt file's requests end where a user's would: at an end id
             eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids, *chat_ids))
                         ) if args.prompt_file else None

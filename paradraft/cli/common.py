@@ -145,7 +145,7 @@ def load_drafters(args: argparse.Namespace, verifier: Transformer) -> dict[str, 
         elif n == "ngram":
             drafters[n] = Drafter("ngram", **ngram_sizes(args, names))
         else:
-            path = args.draft if n == "model" else args.parallel_draft
+            path = need_checkpoint(args, n)
             drafters[n] = Drafter(n, load_draft(path, args.verifier, verifier.config.vocab_size,
                                                 dtype=verifier.dtype, device=verifier.device))
     return drafters
@@ -161,10 +161,63 @@ def int_list(text: str, name: str, low: int, high: int) -> list[int]:
     return values
 
 
+MODEL_FREE_HINT = "the drafters that need no checkpoint: ngram, self"
+
+
+def apply_demo_defaults(args: argparse.Namespace) -> None:
+    """The toy pair in models/demo is the default only when no model is named at all (the
+    fast first try): with --verifier or --engines given, --draft / --parallel-draft have no
+    default, so a real verifier never meets the toy draft. Where --engines is given and
+    --verifier is not, the verifier stays unset (the engine dir speaks for itself)."""
+    if getattr(args, "verifier", None) is not None or getattr(args, "engines", None):
+        return
+    args.verifier = str(DEMO_DIR / "verifier")
+    for name, sub in (("draft", "draft"), ("parallel_draft", "parallel_draft")):
+        if hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, str(DEMO_DIR / sub))
+
+
+def need_checkpoint(args: argparse.Namespace, drafter: str) -> str:
+    """The checkpoint of a model drafter (``model`` → --draft, ``parallel`` →
+    --parallel-draft), refused by name where none was given."""
+    name = "draft" if drafter == "model" else "parallel_draft"
+    path = getattr(args, name, None)
+    if path is None:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"drafter {drafter!r} needs {flag} (with --verifier or --engines "
+                         f"given there is no default draft); {MODEL_FREE_HINT}")
+    return path
+
+
+def check_same_tokenizer(args: argparse.Namespace) -> None:
+    """With both --engines and --verifier, refuse a verifier whose tokenizer.json differs
+    from the engine dir's (by sha256), naming both: its ids would mean other tokens."""
+    from pathlib import Path
+
+    from paradraft.runtime.gguf import sha256_file
+
+    engines, verifier = getattr(args, "engines", None), getattr(args, "verifier", None)
+    if not engines or not verifier:
+        return
+    ours, theirs = Path(engines) / "tokenizer.json", Path(verifier) / "tokenizer.json"
+    if ours.is_file() and theirs.is_file() and sha256_file(ours) != sha256_file(theirs):
+        raise ValueError(f"--verifier {verifier}: its tokenizer.json differs from the engine "
+                         f"dir's ({ours}); give the checkpoint the engines were built from")
+
+
+def need_verifier(args: argparse.Namespace, what: str) -> str:
+    if args.verifier is None:
+        raise ValueError(f"{what} runs the checkpoint: pass --verifier (HF dir or .gguf)")
+    return args.verifier
+
+
 def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"))
-    p.add_argument("--draft", type=checkpoint, default=str(DEMO_DIR / "draft"))
-    p.add_argument("--parallel-draft", type=checkpoint, default=str(DEMO_DIR / "parallel_draft"))
+    p.add_argument("--verifier", type=checkpoint, default=None,
+                   help="HF-format dir or .gguf (default, with no --engines either: the "
+                        "demo pair's verifier, draft and parallel draft)")
+    p.add_argument("--draft", type=checkpoint, default=None,
+                   help="the draft model (no default once --verifier or --engines is given)")
+    p.add_argument("--parallel-draft", type=checkpoint, default=None)
     p.add_argument("--self-draft-layers", type=int, default=None)
     p.add_argument("--heldout", default=str(DEMO_DIR), help="dir holding heldout.jsonl")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts per variant")
@@ -176,8 +229,9 @@ def add_eval_args(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def eval_prompt_pairs(args: argparse.Namespace) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, held-out reference continuation ids) pairs."""
-    tokenizer = load_tokenizer(args.verifier)
+    """(prompt ids, held-out reference continuation ids) pairs, in the engine dir's tokenizer
+    where one is given."""
+    tokenizer = load_tokenizer(getattr(args, "engines", None) or args.verifier)
     texts = heldout_texts(args.heldout)
     return heldout_prompts(tokenizer, texts, args.prompts, args.prompt_tokens, args.seed)
 

@@ -22,7 +22,13 @@ from paradraft.runtime.tools.evaluate import (
     weights_quality,
 )
 
-from .common import add_eval_args, device_and_dtype, eval_prompt_pairs, load_drafters
+from .common import (
+    add_eval_args,
+    apply_demo_defaults,
+    device_and_dtype,
+    eval_prompt_pairs,
+    load_drafters,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, tune: bool = False) -> None:
+    apply_demo_defaults(args)
     for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
         check_range(name, getattr(args, name), 1, 1e6)
     if getattr(args, "engines", None) or getattr(args, "reference_engines", None):

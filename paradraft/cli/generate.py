@@ -20,6 +20,7 @@ from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
 
 from .common import (
+    MODEL_FREE_HINT,
     add_acceptance_floor_arg,
     add_device_args,
     add_draft_threads_arg,
@@ -27,6 +28,7 @@ from .common import (
     add_ngram_args,
     add_rule_args,
     check_engine_limits,
+    check_same_tokenizer,
     checkpoint,
     device_and_dtype,
     ngram_sizes,
@@ -50,11 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"),
-                   help="HF-format dir or .gguf file")
+    p.add_argument("--verifier", type=checkpoint, default=None,
+                   help="HF-format dir or .gguf file (default, without --engines: the demo "
+                        "pair)")
     p.add_argument("--draft", type=checkpoint, default=None,
-                   help="HF-format dir (default: the demo draft for --drafter model, "
-                        "the demo parallel_draft for --drafter parallel)")
+                   help="HF-format dir (default only when --verifier is not given: the demo "
+                        "draft for --drafter model, the demo parallel_draft for --drafter "
+                        "parallel)")
     p.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="default: model; with --engines the dir's first of model, parallel, "
                         "self, ngram (one it lacks is refused, naming the ones it has)")
@@ -106,8 +110,14 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         elif args.drafter == "ngram":
             drafter = Drafter("ngram", **sizes)
         else:
-            default = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel" else "draft")
-            draft = load_draft(args.draft or default, args.verifier,
+            draft_dir = args.draft
+            if draft_dir is None and args.demo_models:
+                draft_dir = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
+                                        else "draft")
+            elif draft_dir is None:
+                raise ValueError(f"--drafter {args.drafter} needs --draft (with --verifier "
+                                 f"given there is no default draft); {MODEL_FREE_HINT}")
+            draft = load_draft(draft_dir, args.verifier,
                                verifier.config.vocab_size, dtype=dtype, device=device)
             drafter = Drafter(args.drafter, draft)
     decoder = SpeculativeDecoder(
@@ -140,6 +150,11 @@ def engine_models(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
 
 
 def run(args: argparse.Namespace) -> None:
+    # the toy pair only when no model is named at all
+    args.demo_models = args.verifier is None and not args.engines
+    if args.demo_models:
+        args.verifier = str(DEMO_DIR / "verifier")
+    check_same_tokenizer(args)
     tokenizer_dir = args.engines or args.verifier
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")

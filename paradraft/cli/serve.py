@@ -24,6 +24,7 @@ from paradraft.runtime.serving.server import Server, start_server
 from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
+    MODEL_FREE_HINT,
     add_acceptance_floor_arg,
     add_draft_threads_arg,
     add_fused_correction_arg,
@@ -63,8 +64,10 @@ def add_openai_args(s: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--verifier", type=checkpoint, default=str(DEMO_DIR / "verifier"))
-    s.add_argument("--draft", type=checkpoint, default=None)
+    s.add_argument("--verifier", type=checkpoint, default=None,
+                   help="HF-format dir or .gguf (default, without --engines: the demo pair)")
+    s.add_argument("--draft", type=checkpoint, default=None,
+                   help="the draft model (the demo draft only when --verifier is not given)")
     s.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="default: model; with --engines the dir's first of model, parallel, "
                         "self, ngram (one it lacks is refused, naming the ones it has)")
@@ -117,7 +120,8 @@ def schedule_arg(text: str) -> dict[int, int] | str:
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The server's settings. With ``--engines`` the manifest supplies what the options leave
     unset (slots, sequence length, rule and sampling defaults) and bounds what they set."""
-    verifier = args.verifier
+    demo = args.verifier is None  # the toy pair only when no model is named
+    verifier = args.verifier = args.verifier or str(DEMO_DIR / "verifier")
     if args.engines:
         manifest = read_manifest(args.engines, verify=False)  # the server process verifies
         limits, defaults = manifest["limits"], dict(manifest["rule_defaults"])
@@ -142,8 +146,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     manifest_rule = defaults.pop("rule", "greedy")
     rule = args.rule or manifest_rule  # an explicit --rule keeps the manifest's parameters
     temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
-    draft = args.draft or str(DEMO_DIR / ("parallel_draft" if drafter == "parallel"
-                                          else "draft"))
+    draft = args.draft
+    if draft is None and demo:
+        draft = str(DEMO_DIR / ("parallel_draft" if drafter == "parallel" else "draft"))
+    elif draft is None and not args.engines and drafter in ("model", "parallel"):
+        raise ValueError(f"drafter {drafter!r} needs --draft (with --verifier given there is "
+                         f"no default draft); {MODEL_FREE_HINT}")
     return ServeConfig(verifier=verifier, draft=draft, drafter=drafter,
                        engines=args.engines, k=k, max_slots=max_slots,
                        max_queue=args.max_queue, max_seq_len=max_seq_len,
