@@ -1,6 +1,6 @@
 """The one training loop: AdamW with warm-up and cosine decay, on a step or wall-clock
 budget, with resumable checkpoints. ``paradraft distill`` and the demo models' recipe
-(``scripts/train_demo_models.py``) both train through it; each brings only its loss.
+(``lab/train_demo_models.py``) both train through it; each brings only its loss.
 
 ``loss_fn(step)`` builds step ``step``'s batch as a pure function of the step index, so a
 resumed run sees the batches it would have seen, and returns (loss, scalars to log, target

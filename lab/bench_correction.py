@@ -23,7 +23,7 @@ Threads: the verify step runs on ``--threads`` (default 1), the correction on on
 histogram passes, not a sort). Writes JSON (default results/bench_correction.json) and prints
 a table.
 
-    .venv/bin/python scripts/bench_correction.py [--only demo|large] [--repeats 21]
+    .venv/bin/python lab/bench_correction.py [--only demo|large] [--repeats 21]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 so that both see the same machine; prints the median tokens/s of each and the median of the
 paired on/off ratios, and checks that both gave the same tokens.
 
-    .venv/bin/python scripts/fused_correction_timing.py --engines engines/demo
+    .venv/bin/python lab/fused_correction_timing.py --engines engines/demo
 """
 
 from __future__ import annotations

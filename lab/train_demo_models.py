@@ -17,7 +17,7 @@ file into train / held-out.  Scratch state (token caches, resumable checkpoints,
 
 Example::
 
-    nice -n 10 .venv/bin/python scripts/train_demo_models.py --out models/demo --seed 0
+    nice -n 10 .venv/bin/python lab/train_demo_models.py --out models/demo --seed 0
 
 Every training stage stops at whichever comes first: its step limit (``--<stage>-steps``) or
 its wall-clock budget (``--<stage>-minutes``).  The LR schedule is a linear warmup (in steps)
@@ -764,7 +764,7 @@ def train_selfdistill(cfg: RunConfig) -> None:
             "steps": result["steps"], "tokens_seen": result["tokens_seen"],
             "wall_seconds": result["wall_seconds"],
             "agreement_ema": result["final_train_scalars_ema"],
-            "command": "python scripts/train_demo_models.py " + " ".join(sys.argv[1:])}])
+            "command": "python lab/train_demo_models.py " + " ".join(sys.argv[1:])}])
 
 
 # --------------------------------------------------------------------------------------------
@@ -945,7 +945,7 @@ def model_card(m: dict) -> str:
     lines = [
         "# paradraft demo models",
         "",
-        "Tiny models trained from scratch on CPU by `scripts/train_demo_models.py` so the",
+        "Tiny models trained from scratch on CPU by `lab/train_demo_models.py` so the",
         "speculative-decoding runtime has a verifier and draft models to work with. They are",
         "toys: useful for exercising the code paths and for measuring acceptance rates, not",
         "for generating good code.",
@@ -953,7 +953,7 @@ def model_card(m: dict) -> str:
         "Regenerate with:",
         "",
         "```bash",
-        m.get("command", "python scripts/train_demo_models.py --out models/demo --seed 0"),
+        m.get("command", "python lab/train_demo_models.py --out models/demo --seed 0"),
         *later_runs(m),
         "```",
         "",
@@ -1215,7 +1215,7 @@ def main(argv: list[str] | None = None) -> None:
         gitignore.write_text(".work/\n")
     update_metrics(cfg, "seed", cfg.seed)
     if cfg.stage == "all" and not cfg.resume:
-        update_metrics(cfg, "command", "python scripts/train_demo_models.py "
+        update_metrics(cfg, "command", "python lab/train_demo_models.py "
                        + " ".join(sys.argv[1:] if argv is None else argv))
     update_metrics(cfg, "environment", {
         "python": platform.python_version(), "torch": torch.__version__,

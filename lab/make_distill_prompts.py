@@ -6,7 +6,7 @@ Open-ended requests (instruction templates over the topics and programming tasks
 (summarize, rewrite, fix, explain, rename) over docstrings and short functions of the running
 interpreter's standard library. Shuffled with a fixed seed; one {"messages": [...]} per line.
 
-    python scripts/make_distill_prompts.py --out models/smollm2-draft/train_prompts.jsonl
+    python lab/make_distill_prompts.py --out models/smollm2-draft/train_prompts.jsonl
 """
 
 from __future__ import annotations

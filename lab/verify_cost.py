@@ -6,7 +6,7 @@ Weights are random (the shape alone sets the cost), so it runs where the checkpo
 taken, e.g. on a GPU host without the GGUF: ``--config`` is the config.json that
 ``paradraft import`` writes; SMOLLM2 below is that file for SmolLM2-135M-Instruct.
 
-    python scripts/verify_cost.py --device cuda --dtype bfloat16 --out verify_cost.json
+    python lab/verify_cost.py --device cuda --dtype bfloat16 --out verify_cost.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ both loops run on the same engines dir, prompts and machine. Passes alternate be
 Each pass decodes ``--prompts`` held-out prompts in batches. Both must produce the same tokens
 (printed per row). Writes JSON (default results/bench_hot_loop.json) and prints a table.
 
-    .venv/bin/python scripts/bench_hot_loop.py --before 792c0d2 [--rule exact] [--passes 10]
+    .venv/bin/python lab/bench_hot_loop.py --before 792c0d2 [--rule exact] [--passes 10]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The snippets ship with the models, so bench / eval measure on code the models never saw even
 on a machine whose Python has other standard-library sources.
 
-    python scripts/make_heldout_snippets.py --demo models/demo
+    python lab/make_heldout_snippets.py --demo models/demo
 """
 
 from __future__ import annotations

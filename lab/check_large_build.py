@@ -9,7 +9,7 @@ process itself), the engine dir's size by file kind against the models' fp32 wei
 load's peak memory. Past 2 GB a graph needs ONNX external data; the graphs of one model share
 its one weights file.
 
-    .venv/bin/python scripts/check_large_build.py [--work /tmp/paradraft_large] [--max-k 8]
+    .venv/bin/python lab/check_large_build.py [--work /tmp/paradraft_large] [--max-k 8]
 
 About 25 GB of disk under --work; the build must stay within a 24 GiB machine.
 """
