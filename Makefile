@@ -57,13 +57,19 @@ demo: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
 	$(BIN)/paradraft demo --engines $(ENGINES) --max-tokens 128 $(if $(DRAFT),--num-draft-tokens 1)
 
 # The llama.cpp backend (opt-in): llama-cpp-python compiled from its sdist for this CPU (about
-# 10 CPU-minutes; pip caches the wheel), without its server, tools and examples.
+# 8 CPU-minutes), without its server, tools and examples, and without AMX: its AMX matmul
+# segfaults (llama.cpp #20824; NO_AMX_FLAGS in runtime/backends/llamacpp.py says more). No
+# wheel cache: a cached wheel may have been compiled with other flags.
 LLAMACPP_STAMP := $(VENV)/.llamacpp
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMACPP_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF \
+	-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 
 $(LLAMACPP_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install --quiet -e '.[llamacpp]'
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install --quiet --no-cache-dir \
+	    --force-reinstall --no-deps 'llama-cpp-python==0.3.36'
+	$(BIN)/pip install --quiet -e '.[llamacpp]'
 	touch $@
 
 llamacpp: $(LLAMACPP_STAMP)

@@ -161,3 +161,20 @@ def test_build_refuses_what_it_does_not_read(tiny_pair, hf_models, tmp_path: Pat
         **meta, "tokenizer.ggml.tokens": [*tokens[:-2], tokens[-1], tokens[-2]]}, arch="qwen2")
     assert "differs from the verifier's" in refusal(
         [*build, "--verifier", str(verifier), "--draft", str(other)], capsys)
+
+
+def test_an_amx_build_gets_no_repacked_weights(tiny_pair, monkeypatch):
+    """A llama.cpp built with AMX segfaults in its AMX matmul (llama.cpp #20824): such a
+    library loads weights without the extra buffer types, warning, and an explicit
+    repack=True is refused by name."""
+    from paradraft.runtime.backends import llamacpp
+
+    verifier, _ = tiny_pair
+    config = load_config(g.import_gguf(verifier, verifier.parent / "hf_amx", weights=False))
+    monkeypatch.setattr(llamacpp, "built_with_amx", lambda lib: True)
+    with pytest.warns(UserWarning, match="built with AMX"):
+        engine = LlamaCppModel(verifier, config, 1, 32, threads=1)
+    logits, _ = engine(torch.tensor([[1, 40, 198]]), torch.arange(3)[None])
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match=r"repack=True: this llama\.cpp was built with AMX"):
+        LlamaCppModel(verifier, config, 1, 32, threads=1, repack=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,19 @@ def need_llama_cpp():
     except ImportError as e:
         raise RuntimeError(MISSING) from e
     return llama_cpp
+
+
+# llama.cpp 0.3.36 built for an AMX CPU (Sapphire Rapids, as with -march=native there) routes
+# quantized weights to its AMX buffer type, whose matmul segfaults on the first decode
+# (ggml-org/llama.cpp#20824; seen here on a 2-core Xeon VM, tiny and real models alike). Our
+# builds compile with these flags (GCC and Clang let an explicit -mno-* win over
+# -march=native, whatever the order), and a library that still reports AMX_INT8 gets no extra
+# buffer types (no AMX, no CPU repack) instead of a crash.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def built_with_amx(lib) -> bool:
+    return b"AMX_INT8 = 1" in lib.llama_print_system_info()
 
 
 _quiet = None  # the log callback, kept alive while the library may call it
@@ -72,7 +86,7 @@ class LlamaCppModel:
 
     def __init__(self, path: str | Path, config: ModelConfig, max_batch_size: int,
                  max_positions: int, threads: int | None = None, n_ubatch: int = 512,
-                 repack: bool = True):
+                 repack: bool | None = None):
         lib = need_llama_cpp()
         _silence(lib)
         if not 1 <= max_batch_size <= MAX_SEQUENCES:
@@ -87,6 +101,16 @@ class LlamaCppModel:
         self.threads = threads or len(os.sched_getaffinity(0))
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if repack is None:
+            repack = not built_with_amx(lib)
+            if not repack:
+                warnings.warn("llama.cpp was built with AMX, whose matmul crashes (llama.cpp "
+                              "#20824): weights are not repacked. Rebuild it with `make "
+                              "llamacpp` (compiled without AMX) for the repacked kernels",
+                              stacklevel=2)
+        elif repack and built_with_amx(lib):
+            raise ValueError("repack=True: this llama.cpp was built with AMX, whose matmul "
+                             "crashes (llama.cpp #20824); rebuild it with `make llamacpp`")
         mp.use_extra_bufts = repack
         self._model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:

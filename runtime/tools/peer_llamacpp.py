@@ -20,16 +20,19 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..backends.llamacpp import NO_AMX_FLAGS
 from ..gguf import cache_root
 from .bench import BenchRow, median_ratio
 
 VERSION = "0.3.36"  # llama-cpp-python, as the [llamacpp] extra pins it
 TOOLS = ("llama-completion", "llama-speculative-simple")
 NGRAM_MODES = ("ngram-simple", "ngram-mod")
-# static: the programs are copied out of the build dir, with no shared library to find
+# static: the programs are copied out of the build dir, with no shared library to find;
+# without AMX, as our backend's build (NO_AMX_FLAGS says why): both run the same kernels
 CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
          "-DLLAMA_BUILD_TESTS=OFF",
-         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
+         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+         f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
 
 
 class PeerError(RuntimeError):
@@ -37,7 +40,7 @@ class PeerError(RuntimeError):
 
 
 def tools_dir() -> Path:
-    return cache_root() / f"llama.cpp-{VERSION}" / "bin"
+    return cache_root() / f"llama.cpp-{VERSION}-noamx" / "bin"
 
 
 def build_tools(dest: Path | None = None) -> Path:
