@@ -93,7 +93,9 @@ class BenchRow:
     # over transformers' assisted generation of the same kind and K: assistant_model for a
     # draft model, prompt lookup for the ngram drafter
     speedup_vs_hf_assisted: float | None = None
-    backend: str = "torch"  # torch | onnx (the engine the "ours" rows ran on), torch for "hf"
+    # the engine the "ours" rows ran on (torch, onnx, tensorrt, llamacpp); torch for "hf",
+    # llamacpp for llama.cpp's own programs
+    backend: str = "torch"
     speedup_vs_torch: float | None = None  # this row's tok/s over the torch row's (same config)
     repeat_tokens_per_second: list[float] = field(default_factory=list)  # one per repeat
     repeat_decode_tokens_per_second: list[float] = field(default_factory=list)

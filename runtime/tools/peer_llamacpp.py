@@ -110,9 +110,10 @@ class LlamaCppPeer:
         each n-gram mode at each K."""
         if 1 not in batch_sizes:
             return []
-        rows = [BenchRow("llamacpp", "generate", "greedy", 0, 1, False)]
+        # backend: what ran them (llama.cpp's own programs), not the default "torch"
+        rows = [BenchRow("llamacpp", "generate", "greedy", 0, 1, False, backend="llamacpp")]
         kinds = (["draft-simple"] if self.draft is not None else []) + list(NGRAM_MODES)
-        return rows + [BenchRow("llamacpp", kind, "greedy", k, 1, False)
+        return rows + [BenchRow("llamacpp", kind, "greedy", k, 1, False, backend="llamacpp")
                        for kind in kinds for k in ks]
 
     def argv(self, row: BenchRow, prompt_file: Path, max_new_tokens: int, stop: bool
