@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -18,7 +19,7 @@ from paradraft.runtime.checkpoints import (
 )
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, NGRAM_LIMIT, AnyDrafter, Drafter, NgramDrafter
-from paradraft.runtime.gguf import resolve_checkpoint
+from paradraft.runtime.gguf import resolve_checkpoint, sha256_file
 from paradraft.runtime.model import Transformer
 from paradraft.runtime.tools.calibrate import Calibration
 
@@ -161,7 +162,16 @@ def int_list(text: str, name: str, low: int, high: int) -> list[int]:
     return values
 
 
-MODEL_FREE_HINT = "the drafters that need no checkpoint: ngram, self"
+def no_default_draft(what: str, flag: str) -> ValueError:
+    """The refusal of a model drafter given no checkpoint: with a named verifier (or engines)
+    the toy draft is never the default."""
+    return ValueError(f"{what} needs {flag} (with --verifier or --engines given there is no "
+                      "default draft); the drafters that need no checkpoint: ngram, self")
+
+
+def demo_draft(drafter: str) -> str:
+    """The toy pair's checkpoint for a model drafter (the default when no model is named)."""
+    return str(DEMO_DIR / ("parallel_draft" if drafter == "parallel" else "draft"))
 
 
 def apply_demo_defaults(args: argparse.Namespace) -> None:
@@ -172,9 +182,9 @@ def apply_demo_defaults(args: argparse.Namespace) -> None:
     if getattr(args, "verifier", None) is not None or getattr(args, "engines", None):
         return
     args.verifier = str(DEMO_DIR / "verifier")
-    for name, sub in (("draft", "draft"), ("parallel_draft", "parallel_draft")):
+    for name, drafter in (("draft", "model"), ("parallel_draft", "parallel")):
         if hasattr(args, name) and getattr(args, name) is None:
-            setattr(args, name, str(DEMO_DIR / sub))
+            setattr(args, name, demo_draft(drafter))
 
 
 def need_checkpoint(args: argparse.Namespace, drafter: str) -> str:
@@ -183,19 +193,13 @@ def need_checkpoint(args: argparse.Namespace, drafter: str) -> str:
     name = "draft" if drafter == "model" else "parallel_draft"
     path = getattr(args, name, None)
     if path is None:
-        flag = "--" + name.replace("_", "-")
-        raise ValueError(f"drafter {drafter!r} needs {flag} (with --verifier or --engines "
-                         f"given there is no default draft); {MODEL_FREE_HINT}")
+        raise no_default_draft(f"drafter {drafter!r}", "--" + name.replace("_", "-"))
     return path
 
 
 def check_same_tokenizer(args: argparse.Namespace) -> None:
     """With both --engines and --verifier, refuse a verifier whose tokenizer.json differs
     from the engine dir's (by sha256), naming both: its ids would mean other tokens."""
-    from pathlib import Path
-
-    from paradraft.runtime.gguf import sha256_file
-
     engines, verifier = getattr(args, "engines", None), getattr(args, "verifier", None)
     if not engines or not verifier:
         return

@@ -20,7 +20,6 @@ from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
 
 from .common import (
-    MODEL_FREE_HINT,
     add_acceptance_floor_arg,
     add_device_args,
     add_draft_threads_arg,
@@ -30,8 +29,10 @@ from .common import (
     check_engine_limits,
     check_same_tokenizer,
     checkpoint,
+    demo_draft,
     device_and_dtype,
     ngram_sizes,
+    no_default_draft,
     rule_params,
 )
 
@@ -112,11 +113,9 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         else:
             draft_dir = args.draft
             if draft_dir is None and args.demo_models:
-                draft_dir = DEMO_DIR / ("parallel_draft" if args.drafter == "parallel"
-                                        else "draft")
+                draft_dir = demo_draft(args.drafter)
             elif draft_dir is None:
-                raise ValueError(f"--drafter {args.drafter} needs --draft (with --verifier "
-                                 f"given there is no default draft); {MODEL_FREE_HINT}")
+                raise no_default_draft(f"--drafter {args.drafter}", "--draft")
             draft = load_draft(draft_dir, args.verifier,
                                verifier.config.vocab_size, dtype=dtype, device=device)
             drafter = Drafter(args.drafter, draft)

@@ -24,14 +24,15 @@ from paradraft.runtime.serving.server import Server, start_server
 from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
-    MODEL_FREE_HINT,
     add_acceptance_floor_arg,
     add_draft_threads_arg,
     add_fused_correction_arg,
     add_ngram_args,
     check_engine_limits,
     checkpoint,
+    demo_draft,
     ngram_sizes,
+    no_default_draft,
 )
 
 
@@ -148,10 +149,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     temperature, top_p = defaults.pop("temperature", 1.0), defaults.pop("top_p", 1.0)
     draft = args.draft
     if draft is None and demo:
-        draft = str(DEMO_DIR / ("parallel_draft" if drafter == "parallel" else "draft"))
+        draft = demo_draft(drafter)
     elif draft is None and not args.engines and drafter in ("model", "parallel"):
-        raise ValueError(f"drafter {drafter!r} needs --draft (with --verifier given there is "
-                         f"no default draft); {MODEL_FREE_HINT}")
+        raise no_default_draft(f"drafter {drafter!r}", "--draft")
     return ServeConfig(verifier=verifier, draft=draft, drafter=drafter,
                        engines=args.engines, k=k, max_slots=max_slots,
                        max_queue=args.max_queue, max_seq_len=max_seq_len,
