@@ -3,20 +3,22 @@
 - Per row, adaptive K: +2 after a fully accepted block, −1 otherwise, within [1, K] (the
   heuristic of transformers' assisted generation).
 - Per round, by batch size: TensorRT-LLM's ``draft_len_schedule`` ({threshold: K}), vLLM's
-  ``speculative_disable_by_batch_size``, or ``"auto"``: the goodput policy, the K with the most
-  expected tokens per second given the running acceptance α and round times measured on this
-  machine (``measure_round_seconds``). A batched verify pass costs more per extra position as
-  the batch grows, so the best K shrinks with the batch.
+  ``speculative_disable_by_batch_size``, or ``"auto"`` (the default where a drafter runs): the
+  goodput policy (``plan_round``). Per round it picks the draft model's K and the cap on the
+  n-gram lookup's drafts with the most expected tokens per second, from each drafter's own
+  running acceptance α and the costs of the round's parts measured on this machine
+  (``RoundCosts``: calibrated at start, refreshed from every live round). A batched verify pass
+  costs more per extra position as the batch grows, so the best K shrinks with the batch, and
+  K = 0 (a plain step) wins whenever no K is expected to beat it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-RoundSeconds = tuple[list[int], Tensor]  # (batch sizes, seconds per round [size, K = 0..k])
 
 
 def analytic_length(alpha: float, k: int) -> float:
@@ -24,6 +26,113 @@ def analytic_length(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass
+class RoundCosts:
+    """Seconds a round's parts take on this machine, per running batch size (row b: b + 1
+    rows) and K (column k): ``verify``: the verifier over K + 1 positions, the correction and
+    the host's bookkeeping; ``draft``: the draft model proposing K tokens (0 at K = 0). An
+    n-gram lookup's cost is in neither: it runs before the policy decides, whatever it picks.
+    Calibrated at start (``from_calibration``), then each live round refreshes the cells it
+    ran (``observe``): costs move with the context length, the load and the rule."""
+
+    verify: list[list[float]]
+    draft: list[list[float]]
+    refresh: float = 0.1  # a live round's weight in its cell (an exponential average)
+    revision: int = 0  # bumped by every change: the metrics resend only what moved
+
+    @classmethod
+    def from_calibration(cls, sizes: list[int], verify: Tensor, draft: Tensor,
+                         max_batch_size: int) -> RoundCosts:
+        """Measured at ``sizes`` (rows of ``verify`` and ``draft``), filled in for every
+        batch size up to ``max_batch_size`` (linear in between)."""
+        def fill(table: Tensor) -> list[list[float]]:
+            return [interpolate(sizes, table, b) for b in range(1, max_batch_size + 1)]
+        return cls(fill(verify), fill(draft))
+
+    def observe(self, batch_size: int, k_draft: int, width: int, draft_seconds: float,
+                verify_seconds: float) -> None:
+        """A live round of ``batch_size`` rows: the draft model drafted ``k_draft`` (0: it
+        sat out) and the verifier checked ``width`` drafts."""
+        w = self.refresh
+        row = self.verify[batch_size - 1]
+        row[width] += w * (verify_seconds - row[width])
+        if k_draft:
+            row = self.draft[batch_size - 1]
+            row[k_draft] += w * (draft_seconds - row[k_draft])
+        self.revision += 1
+
+
+def interpolate(sizes: list[int], table: Tensor, batch_size: int) -> list[float]:
+    """Row of ``table`` (measured at ``sizes``) for ``batch_size``, linear in between."""
+    i = max(j for j, size in enumerate(sizes) if size <= batch_size or j == 0)
+    if i + 1 == len(sizes) or sizes[i] >= batch_size:
+        return table[i].tolist()
+    w = (batch_size - sizes[i]) / (sizes[i + 1] - sizes[i])
+    return ((1 - w) * table[i] + w * table[i + 1]).tolist()
+
+
+@dataclass
+class RoundPlan:
+    """The goodput policy's choice for one round, with what it expects of it."""
+
+    k_model: int  # the draft model's K for its unpinned rows (0: it sits the round out)
+    k_lookup: int  # the cap on an unpinned lookup row's drafts
+    rows: int
+    expected_tokens: float
+    seconds: float  # the round's predicted cost
+    plain_seconds: float  # a plain step's at this batch size
+
+    @property
+    def expected_speedup(self) -> float:
+        """Expected tokens per second over a plain step's (one token a row)."""
+        return self.expected_tokens / self.seconds * self.plain_seconds / self.rows
+
+
+def plan_round(verify: list[float], draft: list[float], alpha_model: float,
+               alpha_lookup: float, model_caps: list[int], model_pinned: list[bool],
+               lookup_found: list[int], lookup_pinned: list[bool]) -> RoundPlan:
+    """SmartSpec's goodput, per drafter: the draft model's K and the lookup's cap with the
+    most expected tokens per second for this round. ``verify`` / ``draft``: ``RoundCosts``'
+    row for this batch size. Model rows: each drafts min(its cap, K) (a pinned row, whose
+    request named its K, drafts its cap whatever K is) and gains ``analytic_length(α_model,
+    ·)``; lookup rows: each keeps min(what its lookup found, cap) (pinned: all it found) and
+    gains ``analytic_length(α_lookup, ·)``. The round costs the draft model's K (when any
+    model row drafts) and a verify pass as wide as the widest row. (0, 0) is a plain step;
+    ties go to the smaller K. Host arithmetic over K only: rows are counted by their cap."""
+    def gains(alpha: float, caps: list[int], pinned: list[bool], top: int
+              ) -> tuple[list[float], int]:
+        """Expected tokens of these rows for each K in 0..top, and the width the pinned
+        rows force."""
+        free = [0] * (top + 1)  # unpinned rows by cap
+        length = [analytic_length(alpha, k) for k in range(top + 1)]
+        fixed_tokens, forced = 0.0, 0
+        for cap, pin in zip(caps, pinned, strict=True):
+            if pin:
+                fixed_tokens += length[cap]
+                forced = max(forced, cap)
+            else:
+                free[cap] += 1
+        return [fixed_tokens + sum(n * length[min(cap, k)] for cap, n in enumerate(free))
+                for k in range(top + 1)], forced
+
+    top_model = max(model_caps, default=0)
+    top_lookup = max(lookup_found, default=0)
+    model_tokens, model_forced = gains(alpha_model, model_caps, model_pinned, top_model)
+    lookup_tokens, lookup_forced = gains(alpha_lookup, lookup_found, lookup_pinned, top_lookup)
+    rows = len(model_caps) + len(lookup_found)
+    best = None
+    for k_model in range(top_model + 1):
+        model_width = max(k_model, model_forced) if model_caps else 0
+        for k_lookup in range(top_lookup + 1):
+            width = max(model_width, min(k_lookup, top_lookup), lookup_forced)
+            seconds = verify[width] + (draft[model_width] if model_width else 0.0)
+            tokens = model_tokens[k_model] + lookup_tokens[k_lookup]
+            if best is None or tokens / seconds > best.expected_tokens / best.seconds * (
+                    1 + 1e-9):
+                best = RoundPlan(k_model, k_lookup, rows, tokens, seconds, verify[0])
+    return best
 
 
 def check_draft_len_schedule(schedule: dict[int, int] | str | None, k: int
@@ -54,35 +163,15 @@ def parse_draft_len_schedule(text: str) -> dict[int, int] | str:
                          f"1:4,4:2,8:0); got {text!r}") from None
 
 
-def goodput_k(round_seconds: list[float], alpha: float) -> int:
-    """The K (index into ``round_seconds``, seconds per round for K = 0, 1, …) with the most
-    expected tokens per second: SmartSpec's goodput, E[tokens per step](α, K) / round time.
-    The batch size scales both alike, so it cancels."""
-    return max(range(len(round_seconds)),
-               key=lambda k: analytic_length(alpha, k) / round_seconds[k])
-
-
-def seconds_per_round(round_seconds: RoundSeconds, batch_size: int) -> list[float]:
-    """Measured seconds per round for K = 0..k at this batch size (linear in between)."""
-    sizes, table = round_seconds
-    i = max(j for j, size in enumerate(sizes) if size <= batch_size or j == 0)
-    if i + 1 == len(sizes) or sizes[i] >= batch_size:
-        return table[i].tolist()
-    w = (batch_size - sizes[i]) / (sizes[i + 1] - sizes[i])
-    return ((1 - w) * table[i] + w * table[i + 1]).tolist()
-
-
 def round_k(batch_size: int, k: int, disable_by_batch_size: int | None,
-            schedule: dict[int, int] | str | None, round_seconds: RoundSeconds | None,
-            alpha: float) -> int:
-    """K for a round of ``batch_size`` rows whose largest own K is ``k``, capped by the
-    schedule for this batch size (0: a plain decoding step)."""
+            schedule: dict[int, int] | str | None) -> int:
+    """K for a round of ``batch_size`` rows whose largest own K is ``k``: capped by a fixed
+    schedule for this batch size (0: a plain decoding step). The goodput policy
+    (``"auto"``) decides later in the round (``plan_round``), within this K."""
     if disable_by_batch_size is not None and batch_size >= disable_by_batch_size:
         return 0
     if isinstance(schedule, dict):
         return min(k, schedule[max(size for size in schedule if size <= batch_size)])
-    if schedule == "auto" and k and round_seconds is not None:
-        return goodput_k(seconds_per_round(round_seconds, batch_size)[: k + 1], alpha)
     return k
 
 
@@ -96,14 +185,21 @@ def calibration_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted({min(2 ** i, max_batch_size) for i in range(16)})
 
 
-def measure_round_seconds(time_round: Callable[[int, int], float], batch_sizes: list[int],
-                          k: int, passes: int = 3) -> Tensor:
-    """Seconds per round [batch size, K = 0..k]: ``time_round(batch_size, k)`` times fresh
-    rounds, and each cell keeps its fastest. A shared machine only ever adds time, and the
-    ``passes`` sweep every cell in turn so a slow spell cannot favour one K."""
-    table = torch.full((len(batch_sizes), k + 1), float("inf"), dtype=torch.float64)
+def measure_round_costs(time_round: Callable[[int, int], tuple[float, float]],
+                        batch_sizes: list[int], k: int, passes: int = 3
+                        ) -> tuple[Tensor, Tensor]:
+    """Seconds of the verify and draft parts, each [batch size, K = 0..k]:
+    ``time_round(batch_size, k)`` times fresh rounds ((draft, verify) seconds), and each cell
+    keeps its fastest. A shared machine only ever adds time, and the ``passes`` sweep every
+    cell in turn so a slow spell cannot favour one K."""
+    verify = torch.full((len(batch_sizes), k + 1), float("inf"), dtype=torch.float64)
+    draft = torch.zeros_like(verify)
+    draft[:, 1:] = float("inf")
     for _ in range(passes):
         for i, batch_size in enumerate(batch_sizes):
             for j in range(k + 1):
-                table[i, j] = min(table[i, j].item(), time_round(batch_size, j))
-    return table
+                draft_s, verify_s = time_round(batch_size, j)
+                verify[i, j] = min(verify[i, j].item(), verify_s)
+                if j:
+                    draft[i, j] = min(draft[i, j].item(), draft_s)
+    return verify, draft

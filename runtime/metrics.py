@@ -19,6 +19,7 @@ class AcceptanceMonitor:
     would otherwise warn every few rounds."""
 
     floor: float = 0.6
+    name: str = "model"  # the drafter whose drafts it counts
     window: int = 512
     min_drafted: int = 64
     hysteresis: float = 0.05
@@ -58,11 +59,47 @@ class AcceptanceMonitor:
         if self.drafted >= self.min_drafted and rate < self.floor and not self.alerting:
             self.alerting = True
             self.alerts += 1
-            log.warning("running acceptance rate %.3f fell below the floor %.3f", rate,
-                        self.floor)
+            log.warning("running acceptance rate of the %s drafter %.3f fell below the floor "
+                        "%.3f", self.name, rate, self.floor)
         # re-arm past the hysteresis, capped halfway to 1 so that a floor near 1 re-arms too
         elif rate >= self.floor + min(self.hysteresis, (1.0 - self.floor) / 2):
             self.alerting = False
+
+
+@dataclass
+class RoundStats:
+    """Rounds since the decoder started: how many verified each width (the K a round ran;
+    0: a plain step), and, for rounds the goodput policy planned, the tokens it expected
+    against those the round gave. Both goodputs are counted in plain-step tokens: what a
+    plain step at the round's batch size (its predicted cost) makes in the round's predicted
+    or measured time. So ``expected_speedup`` and ``realized_speedup`` are speed-ups over
+    plain decoding, and their ratio is the policy's error. Sums only: a reader takes
+    differences."""
+
+    by_width: list[int]
+    tokens: int = 0
+    expected_tokens: float = 0.0
+    plain_tokens: float = 0.0  # in the rounds' measured time
+    plain_tokens_expected: float = 0.0  # in the rounds' predicted time
+
+    def add(self, rows: int, plain_seconds: float, expected_tokens: float,
+            predicted_seconds: float, tokens: int, seconds: float) -> None:
+        """A planned round of ``rows`` (a plain step of them costs ``plain_seconds``) that
+        was expected to gain ``expected_tokens`` in ``predicted_seconds`` and gained
+        ``tokens`` in ``seconds``."""
+        rate = rows / plain_seconds
+        self.tokens += tokens
+        self.expected_tokens += expected_tokens
+        self.plain_tokens += seconds * rate
+        self.plain_tokens_expected += predicted_seconds * rate
+
+    @property
+    def expected_speedup(self) -> float:
+        return self.expected_tokens / self.plain_tokens_expected if self.plain_tokens else 0.0
+
+    @property
+    def realized_speedup(self) -> float:
+        return self.tokens / self.plain_tokens if self.plain_tokens else 0.0
 
 
 @dataclass

@@ -182,10 +182,12 @@ class Scheduler:
                     self._prefill(admitted)
                 self._drop_cancelled()
                 groups = self._groups(self.running.items())
-                # with several groups the schedule and disable_by_batch_size see everything
-                # running, not one group's share of it; each group still drafts at most its
-                # own rows' K (a wider round would draw other random numbers)
-                cap = self.decoder.round_k(sorted(self.running)) if len(groups) > 1 else None
+                # with several groups a fixed schedule and disable_by_batch_size see
+                # everything running, not one group's share of it; each group still drafts
+                # at most its own rows' K (a wider round would draw other random numbers).
+                # The goodput policy plans each group's step at that step's own cost.
+                cap = self.decoder.round_k(sorted(self.running)) if len(groups) > 1 and (
+                    self.decoder.draft_len_schedule != "auto") else None
                 for params, slots in groups:
                     self._use(params)
                     k = None if cap is None else min(
@@ -209,7 +211,6 @@ class Scheduler:
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         by_slot = dict(admitted)
-        width = max(self.decoder.k, 1)
         started: set[int] = set()
         try:
             for params, slots in self._groups(admitted):
@@ -218,7 +219,7 @@ class Scheduler:
                 new, alive = self.decoder.prefill(
                     slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
                     [r.eos_token_id for r in reqs], [r.seed for r in reqs],
-                    [width if r.num_draft_tokens is None else r.num_draft_tokens for r in reqs],
+                    [r.num_draft_tokens for r in reqs],  # None: the decoder's K, planned
                     [r.lookup_drafts for r in reqs])
                 for slot, req in zip(slots, reqs, strict=True):
                     self.running[slot] = req

@@ -33,15 +33,16 @@ from .backends.kernels import correct_for
 from .correction import MAX_K, RowStreams, RuleParams, check_k, check_range, row_randoms
 from .drafters import AnyDrafter, Drafter, NgramDrafter
 from .k_policy import (
-    RoundSeconds,
+    RoundCosts,
+    RoundPlan,
     adapt_k,
     calibration_batch_sizes,
     check_draft_len_schedule,
-    measure_round_seconds,
+    measure_round_costs,
+    plan_round,
     round_k,
-    seconds_per_round,
 )
-from .metrics import AcceptanceMonitor, GenerationResult, SpecStats, aggregate
+from .metrics import AcceptanceMonitor, GenerationResult, RoundStats, SpecStats, aggregate
 from .model import KVCache, Transformer, new_kv_cache, token_ids
 from .threads import glue_threads
 
@@ -69,7 +70,10 @@ class SpeculativeDecoder:
     drafts (vLLM's ``speculative_disable_by_batch_size``); a separate draft model's cache then
     falls behind and the next drafted round re-feeds the missed tokens.
     ``draft_len_schedule``: the round's K by batch size, TensorRT-LLM's {threshold: K}, or
-    ``"auto"``: the goodput policy over round times measured by ``calibrate`` (k_policy.py).
+    ``"auto"``: the goodput policy (k_policy.py), per round and per drafter, over round costs
+    measured by ``calibrate`` and refreshed by every round; a request that named its K
+    (``num_draft_tokens``) keeps it. Each drafter (the model, the n-gram lookup) has its
+    own running acceptance (``monitors``).
     ``fused_correction``: ``"on"``: verify and correct in one engine call (the verifier engine
     must carry a correction graph); ``"off"``: logits out of the engine, ``correct()`` here;
     ``"auto"``: on where the backend measured it faster (its ``fused_by_default``). A round
@@ -108,10 +112,6 @@ class SpeculativeDecoder:
             check_k(k)
             if drafter.kind == "parallel" and k > MAX_K // 2:
                 raise ValueError(f"k must be <= {MAX_K // 2} for the parallel drafter; got {k}")
-            if draft_len_schedule == "auto" and drafter.model is None:
-                raise ValueError("draft_len_schedule 'auto' times rounds that draft K tokens; "
-                                 f"the {drafter.kind} drafter drafts only where its lookup "
-                                 "matches: use a fixed schedule")
             if drafter.model is not None and (
                     drafter.model.config.vocab_size != verifier.config.vocab_size):
                 raise ValueError(
@@ -130,12 +130,18 @@ class SpeculativeDecoder:
                              f"{disable_by_batch_size!r}")
         self.disable_by_batch_size = disable_by_batch_size
         self.draft_len_schedule = check_draft_len_schedule(draft_len_schedule, self.k)
-        # "auto": (batch sizes, seconds per round [size, K = 0..k]), measured by calibrate()
-        self.round_seconds: RoundSeconds | None = None
+        # "auto": the round parts' seconds, measured by calibrate(), refreshed by each round
+        self.costs: RoundCosts | None = None
+        self.rounds = RoundStats([0] * (self.k + 1))
         check_range("acceptance_floor", acceptance_floor, 0.0, 1.0)
-        self.monitor = AcceptanceMonitor(floor=acceptance_floor)
+        # each drafter's own running acceptance: the model's drafts and the lookup's differ
+        # too much for one α to steer both
+        self.monitors = {name: AcceptanceMonitor(floor=acceptance_floor, name=name)
+                         for name in ("model", "ngram")}
+        self.primary = "ngram" if drafter is not None and drafter.model is None else "model"
         self.adaptive_k = adaptive_k
         self.audit_epsilon = audit_epsilon
+        self.calibrating = False  # calibrate()'s dummy rounds draft full blocks
         self.fused = fused_on(verifier, fused_correction)
         if self.fused and verifier.fused_reason(self.params) is None:
             verifier.prepare_correction(self.params)  # its session, before the first round
@@ -180,34 +186,27 @@ class SpeculativeDecoder:
         # never depends on the rows beside it; greedy rounds draw none
         streams = None if self.params.is_greedy and not self.draft_sampling else (
             RowStreams.for_rows(self.seeds[rows], self.generated[rows]))
-        # the round drafts the largest K of its rows (capped by the schedule); each row stops
-        # at its own K (adaptive K, or a per-request num_draft_tokens)
-        k = self.round_k(slots) if k is None else min(k, self.k)
+        # the round drafts at most the largest K of its rows (capped by a fixed schedule; the
+        # goodput policy picks within it); each row stops at its own K (adaptive K, or a
+        # per-request num_draft_tokens)
+        if k is None:
+            k, auto = self.round_k(slots), self.draft_len_schedule == "auto"
+        else:  # the caller's K: no policy
+            k, auto = min(k, self.k), False
         # attend over the live part of the cache only (host-side bound: no sync needed)
         bound = max(self.host_lengths[s] for s in slots) + 2 * self.k + 2
         # 1. draft
-        found = None
-        if k and self.drafter.model is None:  # a lookup: drafts only where it matches
-            draft_tokens, draft_probs, found, drafted = self._lookup_round(slots, tokens,
-                                                                           lengths, k, rows)
-        elif k and self.lookup is not None and any(self.host_lookup[s] for s in slots):
-            draft_tokens, draft_probs, found, drafted = self._mixed_round(
-                slots, tokens, lengths, k, bound, streams, rows, cache_rows)
-        else:
-            draft_tokens, draft_probs = self._draft_round(slots, tokens, lengths, k, bound,
-                                                          streams, cache_rows)
+        draft_tokens, draft_probs, keep, drafted, k_draft, draft_seconds, plan = (
+            self._draft_block(slots, tokens, lengths, k, auto and self.costs is not None,
+                              bound, streams, rows, cache_rows))
         t1 = time.perf_counter()
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
         width = draft_tokens.shape[1]
         verify_in = torch.cat([tokens.gather(1, lengths[:, None]), draft_tokens], 1)
         pos = lengths[:, None] + self.offsets[: width + 1]
-        # the drafts each row may keep: its own K (or what its lookup found), known on the
-        # host (None: every row keeps all ``width``, so there is no mask to apply)
-        if found is None:
-            drafted = [min(self.host_k[s], width) for s in slots]
-            num_drafted = None if min(drafted) == width else self.k_rows[rows].clamp(max=width)
-        else:
-            num_drafted = None if min(drafted) == width else found
+        # the drafts each row may keep (None: every row keeps all ``width``, so there is no
+        # mask to apply)
+        num_drafted = None if min(drafted) == width else keep
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
         leaked_rows = None
@@ -228,8 +227,7 @@ class SpeculativeDecoder:
                 leaked = leak > self.audit_epsilon
                 leaked_rows = leaked.any(1)
                 num_drafted = torch.minimum(
-                    torch.where(leaked_rows, leaked.int().argmax(1), width),
-                    self.k_rows[rows].clamp(max=width) if found is None else found)
+                    torch.where(leaked_rows, leaked.int().argmax(1), width), keep)
             num_accepted, next_token = correct_for(dev)(
                 logits, draft_tokens, draft_probs, self.params, randoms, num_drafted)
         # 4. roll back: accepted drafts, then the rule's token at index num_accepted; the new
@@ -248,20 +246,23 @@ class SpeculativeDecoder:
         if leaked_rows is not None:
             columns += [num_drafted[:, None], leaked_rows[:, None].long()]
         if self.adaptive_k:
+            # a block is full when all the row kept passed; a row that kept none (its lookup
+            # found nothing, the policy drafted none, its request asked for none) keeps its K
             k_rows = self.k_rows[rows]
-            if found is None:
-                # a request that asked for no drafts keeps K = 0
-                k_rows = torch.where(k_rows > 0, adapt_k(k_rows, num_accepted, self.k), 0)
-            else:
-                # a lookup block is full when all it found passed; a row that found nothing
-                # (or asked for no drafts) keeps its K
-                full = torch.where(num_accepted == found, k_rows, num_accepted)
-                k_rows = torch.where(found > 0, adapt_k(k_rows, full, self.k), k_rows)
+            full = torch.where(num_accepted == keep, k_rows, num_accepted)
+            k_rows = torch.where(keep > 0, adapt_k(k_rows, full, self.k), k_rows)
             self.k_rows[rows] = k_rows
             columns.append(k_rows[:, None])
         host = torch.cat([*columns, emitted], 1).tolist()
         out = self._account(slots, host, drafted, audited=leaked_rows is not None)
         t3 = time.perf_counter()
+        self.last_round = (k_draft, width, draft_seconds, t3 - t1)
+        if self.costs is not None:
+            self.costs.observe(len(slots), k_draft, width, draft_seconds, t3 - t1)
+        if plan is not None:
+            self.rounds.add(plan.rows, plan.plain_seconds, plan.expected_tokens, plan.seconds,
+                            sum(len(t) for t in out[0]), t3 - t0)
+        self.rounds.by_width[width] += 1
         for s in slots:
             times = self.slot_times[s]
             times[0] += t1 - t0
@@ -278,7 +279,7 @@ class SpeculativeDecoder:
         gained and whether it is still running."""
         skip = 1 + (2 if audited else 0) + (1 if self.adaptive_k else 0)  # before the block
         gained, running = [], []
-        total_drafted = total_accepted = reached = 0
+        totals = {name: [0, 0, 0] for name in self.monitors}  # drafted, accepted, reached
         for slot, row, d in zip(slots, host, drafted, strict=True):
             n = row[0]
             leak = 0
@@ -296,14 +297,25 @@ class SpeculativeDecoder:
             counts[5] += leak
             self.accepted_hist[slot][n] += 1
             self.drafted_hist[slot][d] += 1
-            total_drafted += d
-            total_accepted += n
-            reached += n + (n < d)  # the accepted positions, and the rejected one if any
+            total = totals[self.drafter_of(slot)]
+            total[0] += d
+            total[1] += n
+            total[2] += n + (n < d)  # the accepted positions, and the rejected one if any
             tokens, alive = self._stop(slot, row[skip: skip + n + 1])
             gained.append(tokens)
             running.append(alive)
-        self.monitor.update(total_drafted, total_accepted, reached)
+        for name, (d, n, reached) in totals.items():
+            self.monitors[name].update(d, n, reached)
         return gained, running
+
+    def drafter_of(self, slot: int) -> str:
+        """Which drafter drafts this slot's request: "ngram" (the lookup) or "model"."""
+        return "ngram" if self.primary == "ngram" or self.host_lookup[slot] else "model"
+
+    @property
+    def monitor(self) -> AcceptanceMonitor:
+        """The running acceptance of the decoder's own drafter (``monitors`` has each)."""
+        return self.monitors[self.primary]
 
     def _stop(self, slot: int, tokens: list[int]) -> tuple[list[int], bool]:
         """Stop handling for one row, on the host: keep ``tokens`` up to the first end id and
@@ -353,63 +365,97 @@ class SpeculativeDecoder:
         return {"fused_correction": self.fused, "fused_rounds": self.fused_rounds,
                 "fused_fallback": dict(self.fused_fallback)}
 
+    def _draft_block(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
+                     auto: bool, bound: int, streams: RowStreams | None, rows: Tensor,
+                     cache_rows: Tensor | None
+                     ) -> tuple[Tensor, Tensor | None, Tensor, list[int], int, float,
+                                RoundPlan | None]:
+        """The round's drafts, at most ``k`` a row: tokens [B, width], their q (None: the
+        drafts are deterministic), the drafts each row keeps on the device and on the host,
+        the draft model's K (0: it sat out), its seconds, and the goodput plan (``auto``;
+        else None). Rows that draft by lookup (the drafter is one, or their request asked
+        for the one beside a model) look up first: it is cheap, and what each found is what
+        the plan weighs. Its width is the most any row keeps: 0 when none does, and the
+        round is a plain step. The found counts cross to the host (B integers) because that
+        choice is the host's."""
+        B = len(slots)
+        if self.drafter is None:  # plain decoding
+            empty = torch.zeros(B, 0, dtype=torch.long, device=self.device)
+            return empty, None, empty.sum(1), [0] * B, 0, 0.0, None
+        lookup = self.drafter if self.drafter.model is None else self.lookup
+        by_lookup = [self.drafter_of(s) == "ngram" for s in slots]
+        model_rows = [i for i in range(B) if not by_lookup[i]]
+        looked = None
+        found_host = [0] * B
+        if k and any(by_lookup):
+            history = max(self.host_lengths[s] for s in slots) + 1
+            looked, found = lookup.lookup(tokens, lengths, k, history)
+            if self.calibrating:  # time a full block whatever the dummy prompt matches
+                found = torch.full_like(found, k)
+            found = torch.minimum(found, self.k_rows[rows])
+            found_host = found.tolist()
+        caps = [min(self.host_k[slots[i]], k) for i in model_rows]
+        pinned = [self.host_pinned[s] for s in slots]
+        k_model = k_lookup = k
+        plan = None
+        if auto and k:  # (with K = 0 there is nothing to choose)
+            size = B - 1
+            lookup_rows = [i for i in range(B) if by_lookup[i]]
+            plan = plan_round(self.costs.verify[size], self.costs.draft[size],
+                              self.monitors["model"].alpha_optimistic,
+                              self.monitors["ngram"].alpha_optimistic,
+                              caps, [pinned[i] for i in model_rows],
+                              [found_host[i] for i in lookup_rows],
+                              [pinned[i] for i in lookup_rows])
+            k_model, k_lookup = plan.k_model, plan.k_lookup
+            for name, sat_out in [("model", model_rows and not k_model),
+                                  ("ngram", lookup_rows and not k_lookup)]:
+                if sat_out:  # no evidence this round: α drifts back, so it tries again
+                    self.monitors[name].relax(0.97)
+        # what each row keeps: a model row min(its K, the model's), a lookup row min(what it
+        # found, the cap); a pinned row (its request named its K) all of its own
+        kept = [min(self.host_k[s], k) if not by_lookup[i] else found_host[i]
+                for i, s in enumerate(slots)]
+        drafted = [n if pinned[i] else min(n, k_lookup if by_lookup[i] else k_model)
+                   for i, n in enumerate(kept)]
+        k_draft = max((drafted[i] for i in model_rows), default=0)
+        t = time.perf_counter()
+        model_drafts, q = self._draft_round(slots, tokens, lengths, k_draft, bound, streams,
+                                            cache_rows, draft_all=bool(model_rows))
+        draft_seconds = time.perf_counter() - t
+        width = max(drafted)
+        keep = torch.tensor(drafted, device=self.device)  # host → device: no sync
+        if looked is None:  # model rows only
+            return model_drafts[:, :width], q if q is None else q[:, :width], keep, drafted, \
+                k_draft, draft_seconds, plan
+        looked = looked[:, :width]
+        if not model_rows:
+            return looked, None, keep, drafted, 0, draft_seconds, plan
+        on = self.lookup_rows[rows]
+        model_drafts = torch.nn.functional.pad(model_drafts, (0, width - k_draft))
+        drafts = torch.where(on[:, None], looked, model_drafts)
+        if q is not None:  # sampled drafts: a lookup row's q is one-hot on its drafts
+            point = torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype)
+            point[:, :k_draft] = torch.where(on[:, None, None], point[:, :k_draft], q)
+            q = point
+        return drafts, q, keep, drafted, k_draft, draft_seconds, plan
+
     def _draft_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
-                     bound: int, streams: RowStreams | None, cache_rows: Tensor | None
-                     ) -> tuple[Tensor, Tensor | None]:
-        """The round's drafts (none when ``k`` is 0); tracks the rounds a separate draft
-        cache missed, so that the next drafted round re-feeds their tokens."""
+                     bound: int, streams: RowStreams | None, cache_rows: Tensor | None,
+                     draft_all: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The draft model's drafts for every row (none when ``k`` is 0: it sits the round
+        out); tracks the rounds a separate draft cache missed, so that the next drafted
+        round re-feeds their tokens."""
         if k:
             missed = max(self.draft_missed[s] for s in slots)
             drafts = self._draft(tokens, lengths, k, bound, streams, cache_rows, missed)
             for s in slots:
                 self.draft_missed[s] = 0
             return drafts
-        if self.separate_draft:
+        if self.separate_draft and draft_all:
             for s in slots:
                 self.draft_missed[s] += 1
-        if self.draft_len_schedule == "auto":
-            self.monitor.relax(0.97)
         return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
-
-    def _lookup_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
-                      rows: Tensor) -> tuple[Tensor, None, Tensor, list[int]]:
-        """A model-free drafter's round: drafts [B, width], no q (they are deterministic),
-        and per row the drafts it found (<= its own K) on the device and on the host. The
-        width is the most any row found: 0 when no row matched, and the round is a plain
-        step (a verify pass over the newest token alone). That choice is the host's, so the
-        found counts come over in a transfer of their own (B integers)."""
-        history = max(self.host_lengths[s] for s in slots) + 1
-        drafts, found = self.drafter.lookup(tokens, lengths, k, history)
-        found = torch.minimum(found, self.k_rows[rows])
-        drafted = found.tolist()
-        return drafts[:, : max(drafted)], None, found, drafted
-
-    def _mixed_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
-                     bound: int, streams: RowStreams | None, rows: Tensor,
-                     cache_rows: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, list[int]]:
-        """A round where some rows draft with the n-gram ``lookup`` (their request asked
-        for it) and the others with the drafter's model: as ``_lookup_round``, with the
-        model's drafts in the other rows. The model drafts every row (one batched call that
-        costs what it costs for its own rows); without a model row it sits the round out.
-        A lookup row's draft cache is never read for a draft it keeps, so it needs no
-        catching up (``draft_missed``). For
-        sampled drafts, a lookup row's ``q`` is one-hot on its drafts: what ``q`` None means
-        to the correction."""
-        history = max(self.host_lengths[s] for s in slots) + 1
-        looked, found = self.lookup.lookup(tokens, lengths, k, history)
-        found = torch.minimum(found, self.k_rows[rows])
-        if all(self.host_lookup[s] for s in slots):
-            drafted = found.tolist()
-            return looked[:, : max(drafted)], None, found, drafted
-        model_drafts, q = self._draft_round(slots, tokens, lengths, k, bound, streams,
-                                            cache_rows)
-        on = self.lookup_rows[rows]
-        drafts = torch.where(on[:, None], looked, model_drafts)
-        found = torch.where(on, found, self.k_rows[rows].clamp(max=k))
-        if q is not None:
-            point = torch.nn.functional.one_hot(drafts, q.shape[-1]).to(q.dtype)
-            q = torch.where(on[:, None, None], point, q)
-        return drafts, q, found, found.tolist()
 
     def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int,
                streams: RowStreams | None,
@@ -432,56 +478,54 @@ class SpeculativeDecoder:
     # -- the round's K (k_policy.py) ---------------------------------------------------------
 
     def round_k(self, slots: list[int]) -> int:
-        """K for a round over ``slots``: the largest of the rows' K, capped by the schedule
-        for this batch size (0: a plain decoding step)."""
+        """The most a round over ``slots`` drafts: the largest of the rows' K, capped by a
+        fixed schedule for this batch size (0: a plain decoding step). The goodput policy
+        picks within it."""
         k = max(self.host_k[s] for s in slots) if self.k else 0
-        schedule = self.draft_len_schedule
-        if schedule == "auto" and all(self.host_lookup[s] for s in slots):
-            # the goodput's round times are the draft model's; a round of lookup rows costs
-            # no draft call and drafts only where it matches, so it keeps its rows' K
-            schedule = None
-        return round_k(len(slots), k, self.disable_by_batch_size, schedule,
-                       self.round_seconds, self.monitor.alpha_optimistic)
+        return round_k(len(slots), k, self.disable_by_batch_size, self.draft_len_schedule)
 
-    def seconds_per_round(self, batch_size: int) -> list[float]:
-        """Measured seconds per round for K = 0..k at this batch size (linear in between)."""
-        return seconds_per_round(self.round_seconds, batch_size)
-
-    def calibrate(self, passes: int = 3, rounds: int = 2) -> RoundSeconds:
-        """Time rounds of K = 0..k at batch sizes 1, 2, 4, … up to max_batch_size on dummy
-        requests (``k_policy.measure_round_seconds``). The per-slot state is reset after, so
-        call it before serving. Sets ``round_seconds``."""
+    def calibrate(self, passes: int = 3, rounds: int = 2) -> RoundCosts:
+        """Time the round's parts (``RoundCosts``) for K = 0..k at batch sizes 1, 2, 4, …
+        up to max_batch_size on a dummy request (``k_policy.measure_round_costs``): a
+        lookup's rounds draft full blocks here. The per-slot state is reset after, so call
+        it before serving. Sets ``costs``."""
         sizes = calibration_batch_sizes(self.max_batch_size)
         prompt_len = max(1, min(64, self.max_seq_len // 4))
-        new_tokens = min(rounds * (self.k + 1) + 1, self.max_seq_len - prompt_len)
+        room = self.max_seq_len - prompt_len
         vocab = self.verifier.config.vocab_size
         prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+        filled = {"size": 0, "left": 0}  # the running dummy batch and its room to grow
 
-        def time_round(batch_size: int, k: int) -> float:
+        def time_round(batch_size: int, k: int) -> tuple[float, float]:
             slots = list(range(batch_size))
-            self.reset()
-            self.prefill(slots, [prompt] * batch_size, [new_tokens] * batch_size,
-                         [None] * batch_size, [0] * batch_size)
-            fastest = float("inf")
+            if filled["size"] != batch_size or filled["left"] < rounds * (k + 1):
+                self.reset()  # one prefill per batch size, while the rows have room
+                self.prefill(slots, [prompt] * batch_size, [room] * batch_size,
+                             [None] * batch_size, [0] * batch_size)
+                filled.update(size=batch_size, left=room - 1)
+            draft = verify = float("inf")
             for _ in range(rounds):
-                t0 = time.perf_counter()
-                _, alive = self.step(slots, k=k)
-                fastest = min(fastest, time.perf_counter() - t0)
-                if not all(alive):
-                    break
-            return fastest
+                self.step(slots, k=k)
+                _, _, draft_s, verify_s = self.last_round
+                draft, verify = min(draft, draft_s), min(verify, verify_s)
+            filled["left"] -= rounds * (k + 1)
+            return draft, verify
 
-        # the dummy rounds' acceptance must neither count nor alert
-        monitor, self.monitor = self.monitor, AcceptanceMonitor(floor=0.0)
+        # the dummy rounds' acceptance must neither count nor alert, nor their K show
+        monitors, rounds_stats = self.monitors, self.rounds
+        self.monitors = {name: AcceptanceMonitor(floor=0.0, name=name) for name in monitors}
+        self.rounds = RoundStats([0] * (self.k + 1))
+        self.calibrating = True
         try:
-            table = measure_round_seconds(time_round, sizes, self.k, passes)
+            verify, draft = measure_round_costs(time_round, sizes, self.k, passes)
         finally:
+            self.calibrating = False
             self.reset()
-            self.monitor = monitor
-        self.round_seconds = (sizes, table)
-        log.info("round seconds by batch size %s (rows) and K 0..%d (columns): %s", sizes,
-                 self.k, table.tolist())
-        return self.round_seconds
+            self.monitors, self.rounds = monitors, rounds_stats
+        self.costs = RoundCosts.from_calibration(sizes, verify, draft, self.max_batch_size)
+        log.info("round costs by batch size %s (rows) and K 0..%d (columns): verify %s, "
+                 "draft %s", sizes, self.k, verify.tolist(), draft.tolist())
+        return self.costs
 
     # -- per-slot state: rows of a batch are cache slots, so requests can join and leave ----
 
@@ -502,6 +546,7 @@ class SpeculativeDecoder:
         self.host_lengths = [0] * S
         self.host_k = [width] * S
         self.host_lookup = [False] * S
+        self.host_pinned = [False] * S  # the request named its K: the policy leaves it be
         # the rest of the per-slot state lives on the host only: each request's stop rule,
         # its tokens so far and its metrics (SpecStats' counts in _COUNTS order; per round,
         # how many drafts it accepted and kept, which give the per-position counts; seconds of
@@ -538,14 +583,15 @@ class SpeculativeDecoder:
         max_new_tokens: list[int],
         eos_token_ids: list[EosIds],
         seeds: list[int],
-        num_draft_tokens: list[int] | None = None,
+        num_draft_tokens: list[int | None] | None = None,
         lookup_drafts: list[bool] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier (and a separate draft) over the
         right-padded prompts and take the first token from the same correction code (K=0).
         ``seeds``: per request, the seed of its own random stream (``RowStreams``).
         ``eos_token_ids``: per request, an end id, a list of them (generation stops at any)
-        or None. ``num_draft_tokens``: per-request K (<= the decoder's K; default: K;
+        or None. ``num_draft_tokens``: per-request K (<= the decoder's K; None: K, left to the
+        goodput policy; a K named here is the request's own, which the policy leaves be;
         0: no drafts). ``lookup_drafts``: per request, draft with the decoder's ``lookup``
         instead of its drafter (default: no request does).
         Returns, per slot, the tokens it gained and whether it is still running."""
@@ -555,7 +601,7 @@ class SpeculativeDecoder:
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
                  eos_token_ids: list[EosIds], seeds: list[int],
-                 num_draft_tokens: list[int] | None, lookup_drafts: list[bool] | None
+                 num_draft_tokens: list[int | None] | None, lookup_drafts: list[bool] | None
                  ) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
@@ -568,7 +614,9 @@ class SpeculativeDecoder:
             eos.append(frozenset(ids))
         width = max(self.k, 1)
         if num_draft_tokens is None:
-            num_draft_tokens = [width] * len(slots)
+            num_draft_tokens = [None] * len(slots)
+        pinned = [k is not None for k in num_draft_tokens]
+        num_draft_tokens = [width if k is None else k for k in num_draft_tokens]
         for k in num_draft_tokens:  # 0: this request decodes without drafts
             if not isinstance(k, int) or not 0 <= k <= width:
                 raise ValueError(f"num_draft_tokens must be an integer in [0, {width}]; got {k!r}")
@@ -594,6 +642,7 @@ class SpeculativeDecoder:
         self.lookup_rows[rows] = torch.tensor(lookup_drafts, device=dev)
         for b, s in enumerate(slots):
             self.host_lengths[s], self.host_k[s] = len(prompts[b]), num_draft_tokens[b]
+            self.host_pinned[s] = pinned[b]
             self.host_lookup[s] = bool(lookup_drafts[b])
             self.host_generated[s], self.host_limit[s] = 0, max_new_tokens[b]
             self.host_eos[s] = eos[b]
@@ -653,7 +702,7 @@ class SpeculativeDecoder:
             max_new_tokens = [max_new_tokens] * B
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
-        if self.draft_len_schedule == "auto" and self.k and self.round_seconds is None:
+        if self.draft_len_schedule == "auto" and self.k and self.costs is None:
             self.calibrate()
         self.reset()
         slots = list(range(B))

@@ -85,8 +85,6 @@ def test_ngram_sizes_and_models_are_validated_by_name(verifier):
         Drafter("ngram", verifier)
     with pytest.raises(ValueError, match="ngram_min is for the ngram drafter only"):
         Drafter("model", verifier, ngram_min=2)
-    with pytest.raises(ValueError, match="draft_len_schedule 'auto'"):
-        SpeculativeDecoder(verifier, Drafter("ngram"), draft_len_schedule="auto")
     with pytest.raises(ValueError, match="ngram_max must be an integer in"):
         ServeConfig("v", None, drafter="ngram", ngram_max=40)
     # beside a draft model they size the lookup a request may choose: validated all the same
@@ -121,6 +119,23 @@ def assert_lossless_with_mixed_rows(verifier, drafter, k, **kwargs):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_with_ngram_equals_plain_decoding(verifier, k):
     assert_lossless_with_mixed_rows(verifier, Drafter("ngram", ngram_min=1, ngram_max=3), k)
+
+
+def test_goodput_k_with_ngram_and_beside_a_model_stays_lossless(pair, verifier):
+    """The goodput policy (the default where a drafter runs) over the lookup alone and over
+    lookup rows beside model rows: greedy output is plain decoding's, whatever K it picks."""
+    dec = SpeculativeDecoder(verifier, Drafter("ngram", ngram_min=1, ngram_max=3),
+                             RuleParams("greedy"), k=4, max_batch_size=len(PROMPTS),
+                             draft_len_schedule="auto")
+    assert dec.generate(PROMPTS, NEW_TOKENS).token_ids == plain(verifier, PROMPTS)
+    assert dec.costs is not None and sum(dec.rounds.by_width) > 0
+    mixed = SpeculativeDecoder(verifier, Drafter("model", load_model(pair[1])),
+                               RuleParams("greedy"), k=4, max_batch_size=len(PROMPTS),
+                               lookup=NgramDrafter(1, 3), draft_len_schedule="auto")
+    mixed.calibrate(passes=1, rounds=1)
+    uses = [i % 2 == 0 for i in range(len(PROMPTS))]
+    assert run_slots(mixed, PROMPTS, NEW_TOKENS, list(range(len(PROMPTS))), uses) == plain(
+        verifier, PROMPTS)
 
 
 def test_adaptive_k_and_per_request_k_with_ngram_stay_lossless(verifier):

@@ -535,6 +535,37 @@ def test_custom_metrics_move(server):
     assert after["paradraft_slots"] == SLOTS
 
 
+def test_goodput_policy_metrics_show_its_k_costs_and_goodput(tmp_path):
+    """A server on the goodput policy (``paradraft serve``'s default): Prometheus shows the
+    K of each round (a histogram), the plain rounds, the expected and realized speed-up over
+    plain decoding, each drafter's α, and the round costs it measured at start."""
+    config = protocol.ServeConfig(
+        verifier=str(MODELS / "verifier"), draft=str(MODELS / "draft"), k=2, max_slots=2,
+        max_queue=8, max_seq_len=128, max_input_tokens=64, draft_len_schedule="auto",
+        eos_token_id=load_model(MODELS / "verifier").config.eos_token_ids)
+    srv = serving_server.start_server(config, str(MODELS / "verifier" / "tokenizer.json"),
+                                      grpc_port=free_port(), http_port=free_port(),
+                                      metrics_port=free_port(), workdir=tmp_path)
+    try:
+        done = serving_client.complete(srv.grpc_url, "def goodput():", 24, end_id=-1)
+        time.sleep(0.3)  # past a metrics flush
+        m = metrics(srv, labelled=True)
+    finally:
+        assert srv.stop() == 0, srv.log_excerpt()
+    one = 'instance="ensemble_0_0",model="ensemble"'
+    rounds = m[f"paradraft_rounds_total{{{one}}}"]
+    assert rounds == m[f"paradraft_round_k_count{{{one}}}"] > 0  # every round observed once
+    assert 0 <= m.get(f"paradraft_plain_rounds_total{{{one}}}", 0) <= rounds
+    # one request alone: each round verified the drafts it drafted
+    assert m[f"paradraft_round_k_sum{{{one}}}"] == done.total_draft_tokens
+    for name in ("paradraft_goodput_expected", "paradraft_goodput_realized"):
+        assert m[f"{name}{{{one}}}"] > 0, name
+    assert 0 < m[f'paradraft_acceptance_alpha{{drafter="model",{one}}}'] < 1
+    costs = {key: v for key, v in m.items() if key.startswith("paradraft_round_cost_seconds")}
+    # verify at K 0..2 and draft at K 1..2, for batch sizes 1 and 2
+    assert len(costs) == 2 * (3 + 2) and all(v > 0 for v in costs.values())
+
+
 def test_metrics_move_every_round_while_a_request_runs(server):
     """Scrapes during one long stream: the acceptance counters (per position too) climb
     while the request still holds its slot, not only when it finishes."""

@@ -20,6 +20,7 @@ from paradraft.runtime.checkpoints import (
 from paradraft.runtime.correction import RULES, RuleParams
 from paradraft.runtime.drafters import DRAFTERS, NGRAM_LIMIT, AnyDrafter, Drafter, NgramDrafter
 from paradraft.runtime.gguf import resolve_checkpoint, sha256_file
+from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import Transformer
 from paradraft.runtime.tools.calibrate import Calibration
 
@@ -88,6 +89,24 @@ def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance-floor", type=float, default=0.6, metavar="RATE",
                    help="warn when the running acceptance rate falls below RATE, in [0, 1] "
                         "(0: never; the acceptance-floor alert)")
+
+
+def add_draft_len_schedule_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-len-schedule", type=schedule_arg, default="auto",
+                   metavar="auto|SIZE:K,...", help="K per round. 'auto' (default): the "
+                   "goodput policy: per round and per drafter, the K of most expected "
+                   "tokens/s from that drafter's running acceptance and round costs measured "
+                   "at start and refreshed by every round (K = 0, a plain step, when no K "
+                   "beats it). Or fixed by running batch size, as TensorRT-LLM's "
+                   "draft_len_schedule (1:4,4:2,8:0 = K 4 below 4 requests, 2 below 8, none "
+                   "from 8; 1:4 = always 4)")
+
+
+def schedule_arg(text: str) -> dict[int, int] | str:
+    try:
+        return parse_draft_len_schedule(text)
+    except ValueError as e:  # argparse shows this message, naming the option
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_fused_correction_arg(p: argparse.ArgumentParser, several: bool = False) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from paradraft.runtime.checkpoints import format_chat
 from paradraft.runtime.serving.client import complete
+from paradraft.runtime.serving.protocol import ServeConfig
 
 from .serve import (
     add_openai_args,
@@ -48,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def show(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def k_label(config: ServeConfig, num_draft_tokens: int | None) -> str:
+    """The K a request drafts with: its own, else the server's (the goodput policy's pick,
+    at most K, under the default schedule)."""
+    if num_draft_tokens is not None:
+        return f"K={num_draft_tokens}"
+    return f"K=auto<={config.k}" if config.draft_len_schedule == "auto" else f"K={config.k}"
 
 
 def ask_grpc(url: str, prompt: str, max_tokens: int, num_draft_tokens: int | None) -> None:
@@ -106,13 +115,13 @@ def run(args: argparse.Namespace) -> None:
         # short request per drafter first, so that the two answers' tok/s compare the drafters
         for drafter in dict.fromkeys([config.drafter, args.openai_drafter]):
             complete(server.grpc_url, prompt, 8, stream=False, drafter=drafter)
-        k = config.k if args.num_draft_tokens is None else args.num_draft_tokens
         sys.stdout.write(f"assistant (tritonclient gRPC, streaming; drafter {config.drafter}, "
-                         f"K={k}):\n")
+                         f"{k_label(config, args.num_draft_tokens)}):\n")
         ask_grpc(server.grpc_url, prompt, args.max_tokens, args.num_draft_tokens)
         if api is not None:
             sys.stdout.write("assistant (openai client, /v1/chat/completions; drafter "
-                             f"{args.openai_drafter}, named in the request, K={config.k}):\n")
+                             f"{args.openai_drafter}, named in the request, "
+                             f"{k_label(config, None)}):\n")
             ask_openai(f"http://127.0.0.1:{api.config.port}/v1", args.served_model_name,
                        args.question, args.max_tokens, args.openai_drafter)
     finally:

@@ -22,6 +22,7 @@ from paradraft.runtime.speculative import SpeculativeDecoder
 from .common import (
     add_acceptance_floor_arg,
     add_device_args,
+    add_draft_len_schedule_arg,
     add_draft_threads_arg,
     add_fused_correction_arg,
     add_ngram_args,
@@ -72,6 +73,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_draft_threads_arg(p)
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (K)")
     p.add_argument("--adaptive-k", action="store_true", help="per-row K in [1, --k]")
+    add_draft_len_schedule_arg(p)
     add_rule_args(p)
     p.add_argument("--audit-epsilon", type=float, default=None,
                    help="enable the attention causal audit with this ε")
@@ -96,7 +98,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
             adaptive_k=args.adaptive_k,
             audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
             max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
-            fused_correction=args.fused_correction,
+            fused_correction=args.fused_correction, draft_len_schedule=args.draft_len_schedule,
         ), verifier
     if args.fused_correction == "on":
         raise ValueError("--fused-correction on needs --engines (an engine dir whose verifier "
@@ -123,6 +125,7 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         verifier, drafter, rule_params(args), k=args.k, adaptive_k=args.adaptive_k,
         audit_epsilon=args.audit_epsilon, max_batch_size=max_batch_size,
         max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
+        draft_len_schedule=args.draft_len_schedule,
     )
     return decoder, verifier
 

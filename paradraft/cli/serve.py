@@ -16,7 +16,6 @@ from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
 from paradraft.runtime.drafters import DRAFTERS
-from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
@@ -25,6 +24,7 @@ from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
     add_acceptance_floor_arg,
+    add_draft_len_schedule_arg,
     add_draft_threads_arg,
     add_fused_correction_arg,
     add_ngram_args,
@@ -100,22 +100,11 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    metavar="N", help="rounds with >= N running requests decode without "
                    "drafts (a saturated device gains nothing from speculation)")
-    s.add_argument("--draft-len-schedule", type=schedule_arg, default=None,
-                   metavar="auto|SIZE:K,...", help="K by running batch size, as "
-                   "TensorRT-LLM's draft_len_schedule (1:4,4:2,8:0 = K 4 below 4 requests, "
-                   "2 below 8, none from 8), or 'auto': per round the K of most expected "
-                   "tokens/s from the running acceptance and round times measured at start")
+    add_draft_len_schedule_arg(s)
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streamed responses after the first carry at least N new tokens "
                    "(fewer responses, each an IPC hop: more throughput, coarser "
                    "streaming)")
-
-
-def schedule_arg(text: str) -> dict[int, int] | str:
-    try:
-        return parse_draft_len_schedule(text)
-    except ValueError as e:  # argparse shows this message, naming the option
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -196,6 +196,25 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
     return Scheduler(decoder, max_queue=config.max_queue)
 
 
+def round_metrics(decoder: SpeculativeDecoder) -> dict:
+    """What the server's metrics show of the decoder's rounds, read on the scheduler thread
+    (the decoder is not locked): rounds by the K they verified, the goodput policy's sums
+    (``metrics.RoundStats``), each drafter's running α, and the round costs per part, batch
+    size and K (``k_policy.RoundCosts``; none before a calibration)."""
+    rounds = decoder.rounds
+    costs = decoder.costs
+    cells = {} if costs is None else {
+        (part, b + 1, k): seconds
+        for part, table in (("verify", costs.verify), ("draft", costs.draft))
+        for b, row in enumerate(table) for k, seconds in enumerate(row)
+        if part == "verify" or k}
+    return {"by_width": list(rounds.by_width), "tokens": rounds.tokens,
+            "expected_tokens": rounds.expected_tokens, "plain_tokens": rounds.plain_tokens,
+            "plain_tokens_expected": rounds.plain_tokens_expected,
+            "alpha": {name: m.alpha for name, m in decoder.monitors.items()},
+            "costs": cells}
+
+
 # the rule parameters a calibration may set (Calibration.params_for's keys)
 CALIBRATED_PARAMETERS = ("tau", "gamma", "alpha")
 

@@ -92,6 +92,7 @@ class Metrics:
 
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         labels = {"model": model, "instance": instance}  # Triton's names, as its own metrics
+        self.labels = labels
         self.drafted = family("paradraft_draft_tokens_total", counter,
                               "draft tokens proposed").Metric(labels=labels)
         self.accepted = family("paradraft_accepted_tokens_total", counter,
@@ -128,6 +129,39 @@ class Metrics:
                          "finished requests by tokens gained per verify step")
             self.length_counts = {b: fam.Metric(labels={**labels, "length": str(b)})
                                   for b in LENGTH_BUCKETS}
+        # the rounds: the K each verified (0: a plain step), the goodput policy's expected
+        # against realized speed-up over plain decoding, each drafter's running α, and the
+        # round costs it plans with (protocol.round_metrics)
+        self.rounds_total = family("paradraft_rounds_total", counter,
+                                   "decoding rounds (one verify pass each)").Metric(labels=labels)
+        self.plain_rounds = family("paradraft_plain_rounds_total", counter,
+                                   "rounds that verified no draft (plain steps)"
+                                   ).Metric(labels=labels)
+        self.round_k_hist = self.round_k_counts = None
+        if kind is not None:
+            self.round_k_hist = family(
+                "paradraft_round_k", kind, "per round: the drafts it verified (its K)"
+            ).Metric(labels=labels, buckets=[float(n) for n in range(k + 1)])
+        else:
+            fam = family("paradraft_round_k_count", counter, "rounds by the K they verified")
+            self.round_k_counts = [fam.Metric(labels={**labels, "k": str(n)})
+                                   for n in range(k + 1)]
+        self.goodput_expected = family(
+            "paradraft_goodput_expected", gauge, "the goodput policy's expected speed-up over "
+            "plain decoding, over the rounds since the last update").Metric(labels=labels)
+        self.goodput_realized = family(
+            "paradraft_goodput_realized", gauge, "the same rounds' realized speed-up over "
+            "plain decoding (at the plain step's calibrated cost)").Metric(labels=labels)
+        alpha = family("paradraft_acceptance_alpha", gauge,
+                       "running per-token acceptance of each drafter")
+        self.alpha = {name: alpha.Metric(labels={**labels, "drafter": name})
+                      for name in ("model", "ngram")}
+        self.cost_family = family("paradraft_round_cost_seconds", gauge,
+                                  "seconds of a round's part (verify: the verifier over K + 1 "
+                                  "positions and the correction; draft: the draft model's K) "
+                                  "by batch size and K, as the goodput policy plans with them")
+        self.cost_cells = {}
+        self.sent_rounds = None
         self.k = k
         self.lock = threading.Lock()
         self.pending = self.empty()
@@ -137,10 +171,11 @@ class Metrics:
 
     def empty(self):
         return {"drafted": 0, "accepted": 0, "rollbacks": 0, "requests": 0, "lengths": [],
-                "drafted_at": [0] * self.k, "accepted_at": [0] * self.k, "state": None}
+                "drafted_at": [0] * self.k, "accepted_at": [0] * self.k, "state": None,
+                "rounds": None}
 
     def add(self, drafted=0, accepted=0, rollbacks=0, drafted_at=(), accepted_at=(),
-            scheduler=None, length=None, now=False):
+            scheduler=None, length=None, now=False, rounds=None):
         """Fold deltas in (and the scheduler's running / queued counts, read under this lock
         so that a slow caller cannot overwrite a newer reading with an older one); True when
         the caller must queue a ``flush``: none is queued, and the last went out at least
@@ -157,6 +192,8 @@ class Metrics:
             if scheduler is not None:
                 state = scheduler.stats()
                 p["state"] = (state["active"], state["queued"])
+            if rounds is not None:  # the newest reading (sums: flush takes differences)
+                p["rounds"] = rounds
             if length is not None:
                 p["requests"] += 1
                 p["lengths"].append(length)
@@ -187,12 +224,50 @@ class Metrics:
             self.active.set(state[0])
             self.queued.set(state[1])
             self.sent_state = state
+        if p["rounds"] is not None:
+            self.flush_rounds(p["rounds"])
         for n in p["lengths"]:
             if self.length_hist is not None:
                 self.length_hist.observe(float(n))
             else:
                 bucket = min((b for b in LENGTH_BUCKETS if b >= n), default=LENGTH_BUCKETS[-1])
                 self.length_counts[bucket].increment(1)
+
+
+    def flush_rounds(self, now):
+        before = self.sent_rounds or {"by_width": [0] * len(now["by_width"]), "tokens": 0,
+                                      "expected_tokens": 0.0, "plain_tokens": 0.0,
+                                      "plain_tokens_expected": 0.0, "alpha": {}}
+        self.sent_rounds = now
+        by_width = [a - b for a, b in zip(now["by_width"], before["by_width"], strict=True)]
+        if sum(by_width):
+            self.rounds_total.increment(sum(by_width))
+        if by_width[0]:
+            self.plain_rounds.increment(by_width[0])
+        for width, n in enumerate(by_width[: self.k + 1]):
+            if self.round_k_hist is not None:
+                for _ in range(n):
+                    self.round_k_hist.observe(float(width))
+            elif n:
+                self.round_k_counts[width].increment(n)
+        plain = now["plain_tokens"] - before["plain_tokens"]
+        if plain > 0:  # rounds the goodput policy planned
+            self.goodput_realized.set((now["tokens"] - before["tokens"]) / plain)
+            self.goodput_expected.set(
+                (now["expected_tokens"] - before["expected_tokens"])
+                / (now["plain_tokens_expected"] - before["plain_tokens_expected"]))
+        for name, value in now["alpha"].items():
+            if value != before["alpha"].get(name):
+                self.alpha[name].set(value)
+        for (part, batch_size, k), seconds in now["costs"].items():
+            cell = self.cost_cells.get((part, batch_size, k))
+            if cell is None:
+                cell = self.cost_cells[part, batch_size, k] = [self.cost_family.Metric(
+                    labels={**self.labels, "part": part, "batch_size": str(batch_size),
+                            "k": str(k)}), None]
+            if cell[1] != seconds:
+                cell[0].set(seconds)
+                cell[1] = seconds
 
 
 class Stream:
@@ -402,7 +477,8 @@ class TritonPythonModel:
         if self.metrics.add(now[0] - before[0], now[1] - before[1], now[2] - before[2],
                             [a - b for a, b in zip(now[3], before[3], strict=False)],
                             [a - b for a, b in zip(now[4], before[4], strict=False)],
-                            self.scheduler, length, now=length is not None):
+                            self.scheduler, length, now=length is not None,
+                            rounds=self.protocol.round_metrics(self.scheduler.decoder)):
             self.outbox.put(self.metrics.flush)
 
     def make_request(self, parsed, sender, wanted, request_id=""):
