@@ -1,5 +1,6 @@
 """``paradraft eval`` and ``paradraft tune``: quality per rule against exact sampling, and a rule's
-parameter sweep with its speed/quality frontier."""
+parameter sweep with its speed/quality frontier. ``eval --task humaneval``: HumanEval pass@1,
+acceptance and speed per rule (``runtime/tools/task_eval.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from paradraft.runtime.backends.loader import load_engines
+from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
+from paradraft.runtime.checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
 from paradraft.runtime.correction import RuleParams, check_k, check_range
 from paradraft.runtime.model import load_model
-from paradraft.runtime.tools.calibrate import CALIBRATED, calibrate
+from paradraft.runtime.tools import humaneval, task_eval
+from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration, calibrate
 from paradraft.runtime.tools.evaluate import (
     compare,
     frontier,
@@ -23,11 +28,16 @@ from paradraft.runtime.tools.evaluate import (
 )
 
 from .common import (
+    add_draft_threads_arg,
     add_eval_args,
+    add_ngram_args,
     apply_demo_defaults,
+    check_engine_limits,
+    check_same_tokenizer,
     device_and_dtype,
     eval_prompt_pairs,
     load_drafters,
+    ngram_sizes,
 )
 
 
@@ -36,7 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            ("tune", "sweep a rule's parameters: speed/quality frontier")]:
         e = sub.add_parser(name, help=helptext)
         add_eval_args(e, name)
-        e.add_argument("--drafters", default="model", help="the drafter to evaluate with")
+        e.add_argument("--drafters", default="model",
+                       help="the drafter to evaluate with (default model; with --task humaneval "
+                            "and --engines, the engine dir's first)")
+        add_ngram_args(e)
         e.add_argument("--k", type=int, default=4)
         e.add_argument("--temperature", type=float, default=1.0)
         e.add_argument("--top-p", type=float, default=1.0)
@@ -54,13 +67,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 "greedy agreement, top-1 agreement, KL side by side")
             e.add_argument("--reference-engines", default=None, metavar="DIR",
                            help="the fp32 engine dir --engines is measured against")
+            add_humaneval_args(e)
         if name == "tune":
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])
         e.set_defaults(run=run_tune if name == "tune" else run)
 
 
+def add_humaneval_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--task", choices=("perplexity", "humaneval"), default="perplexity",
+                   help="perplexity: perplexity / diversity per rule on held-out text; "
+                        "humaneval: pass@1, acceptance and speed per rule on HumanEval (with "
+                        "--verifier or --engines: a chat model; --engines runs that engine dir)")
+    # eval's own defaults (64 tokens, the model drafter) are set in run(), per task
+    e.set_defaults(max_new_tokens=None, drafters=None)
+    g = e.add_argument_group("--task humaneval")
+    g.add_argument("--row", action="append", default=None, metavar="SPEC",
+                   help="a rule to measure, as comma-separated key=value: rule, T (or "
+                        "temperature), top_p, tau, gamma, alpha, top_p_membership, epsilon, "
+                        "delta, k (0: no drafts), e.g. 'rule=threshold,tau=0.3,T=0.8'. "
+                        "Repeat for several rows. Unset: --temperature, --top-p, --k, the "
+                        "engine dir's calibrated rule defaults, the fixed ones. The lossless "
+                        "reference of each temperature (greedy; exact at T > 0) is added. "
+                        "Default: rule=greedy")
+    g.add_argument("--problems", default="all", metavar="N|all",
+                   help="the first N HumanEval problems, or all 164 (default)")
+    g.add_argument("--samples", type=int, default=1,
+                   help="answers per problem of a sampling row: pass@1 is the unbiased "
+                        "estimator over them (a greedy row answers once)")
+    g.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="wall time a problem's tests may run (default 10)")
+    g.add_argument("--memory-mb", type=int, default=1024,
+                   help="address-space limit of the tests' process (default 1024)")
+    g.add_argument("--select-within", type=float, default=None, metavar="POINTS",
+                   help="pick, per lossless reference, the fastest row whose pass@1 is at "
+                        "most POINTS percentage points below it")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_draft_threads_arg(g)
+
+
 def run(args: argparse.Namespace, tune: bool = False) -> None:
+    if getattr(args, "task", None) == "humaneval":
+        return run_humaneval(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64
+    args.drafters = args.drafters or "model"
     apply_demo_defaults(args)
     for name in ("prompts", "seeds", "batch_size", "max_new_tokens"):
         check_range(name, getattr(args, name), 1, 1e6)
@@ -190,3 +241,107 @@ def run_weights(args: argparse.Namespace) -> None:
 
 def run_tune(args: argparse.Namespace) -> None:
     run(args, tune=True)
+
+
+def humaneval_out(out: str) -> Path:
+    """``--out``: a .json file as it is, or a dir that gets eval_humaneval.json."""
+    path = Path(out)
+    return path if path.suffix == ".json" else path / "eval_humaneval.json"
+
+
+def run_humaneval(args: argparse.Namespace) -> None:
+    """`eval --task humaneval`: every --row (and its lossless reference) answers the problems;
+    their pass@1, acceptance and speed, written as JSON with a frontier plot."""
+    if args.reference_engines:
+        raise ValueError("--reference-engines is the weights comparison of --task perplexity")
+    if args.verifier is None and not args.engines:
+        raise ValueError("--task humaneval answers through a chat template: pass --verifier "
+                         "(HF dir or .gguf) or --engines")
+    check_same_tokenizer(args)
+    max_new_tokens = 512 if args.max_new_tokens is None else args.max_new_tokens
+    check_range("max_new_tokens", max_new_tokens, 1, 1e6)
+    check_k(args.k)
+    check_range("samples", args.samples, 1, task_eval.MAX_SAMPLES)
+    check_range("timeout", args.timeout, 0.0, 3600.0, low_open=True)
+    check_range("memory_mb", args.memory_mb, 64, 1 << 20)
+    if args.select_within is not None:
+        check_range("select_within", args.select_within, 0.0, 100.0)
+    total = len(humaneval.problems())
+    if args.problems != "all" and not (args.problems.isdigit()
+                                       and 1 <= int(args.problems) <= total):
+        raise ValueError(f"problems must be N in [1, {total}] or all; got {args.problems!r}")
+    problems = humaneval.problems(None if args.problems == "all" else int(args.problems))
+    for spec in args.row or []:  # refused before any model loads
+        task_eval.parse_row(spec, args.temperature, args.top_p, args.k)
+    model_dir = args.engines or args.verifier
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(format_chat(model_dir, humaneval.chat_request(p)["messages"]),
+                                add_special_tokens=False).ids for p in problems]
+    calibration = None
+    if args.engines:
+        manifest = read_manifest(args.engines, verify=False)
+        name = engine_drafter(manifest, args.engines, args.drafters)
+        sizes = ngram_sizes(args, [name])
+        verifier, drafters, _, manifest = load_engines(
+            args.engines, args.self_draft_layers, draft_threads=args.draft_threads, **sizes)
+        drafter = drafters[name]
+        calibration = manifest.get("calibration")
+    else:
+        name = args.drafters = args.drafters or "model"
+        if "," in name:
+            raise ValueError(f"--task humaneval runs one drafter; got {name!r}")
+        sizes = ngram_sizes(args, [name])
+        device, dtype = device_and_dtype(args)
+        verifier = load_model(args.verifier, dtype=dtype, device=device)
+        drafter = load_drafters(args, verifier)[name]
+    defaults = ({rule: Calibration(**calibration).params_for(rule) for rule in CALIBRATED}
+                if calibration else None)
+    specs = [task_eval.parse_row(spec, args.temperature, args.top_p, args.k, defaults)
+             for spec in args.row or ["rule=greedy"]]
+    rows = task_eval.with_references(specs, args.k)
+    if args.engines:
+        check_engine_limits(manifest, 1, max(map(len, prompts)) + max_new_tokens,
+                            max(r.k for r in rows))
+    eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids,
+                               *chat_stop_token_ids(model_dir))))
+    out = humaneval_out(args.out)
+    draft_checkpoint = None if args.engines else {
+        "model": args.draft, "parallel": args.parallel_draft}.get(name)
+    if draft_checkpoint:
+        draft_checkpoint = str(Path(draft_checkpoint).resolve())
+    # what an answer depends on besides its row, task and sample: a rerun with other values
+    # must not reuse the log's answers
+    setup = {"task": "humaneval", "instruction": humaneval.INSTRUCTION,
+             "verifier": str(Path(args.verifier).resolve()) if args.verifier else None,
+             "engines": str(Path(args.engines).resolve()) if args.engines else None,
+             "drafter": name, "draft": draft_checkpoint,
+             "ngram": sizes or None, "self_draft_layers": args.self_draft_layers,
+             "device": None if args.engines else args.device,
+             "dtype": None if args.engines else args.dtype,
+             "max_new_tokens": max_new_tokens, "seed": args.seed,
+             "timeout_s": args.timeout, "memory_mb": args.memory_mb}
+    log = task_eval.AnswerLog(out.with_suffix(".jsonl"), setup)
+    results, counts = task_eval.run_humaneval(
+        verifier, drafter, rows, problems, prompts, eos, tokenizer.decode, log,
+        samples=args.samples, max_new_tokens=max_new_tokens, seed=args.seed,
+        timeout_s=args.timeout, memory_mb=args.memory_mb, k=args.k,
+        progress=not args.no_progress)
+    task_eval.print_rows(results, f"HumanEval, {len(problems)} problems, {max_new_tokens} new "
+                                  f"tokens at most; {counts.decoded} answers decoded, "
+                                  f"{counts.reused} reused from {log.path}")
+    result = {"task": "humaneval", "setup": setup, "problems": len(problems),
+              "samples": args.samples, "k": args.k,
+              "interval": "95 % percentile bootstrap over problems",
+              "answers_log": str(log.path), "decoded": counts.decoded, "reused": counts.reused,
+              "rows": [asdict(r) for r in results]}
+    if args.select_within is not None:
+        picks = task_eval.select_within(results, args.select_within)
+        for p in picks:
+            print(f"fastest within {args.select_within:g} points of {p['reference']}: "
+                  f"{p['pick']} (pass@1 {p['pass_at_1']:.1%} vs {p['reference_pass_at_1']:.1%},"
+                  f" speed-up {p['speedup']:.2f}x)")
+        result["selection"] = picks
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    skipped = task_eval.frontier_plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f"; {skipped}" if skipped else f" and {out.with_suffix('.png')}"))
