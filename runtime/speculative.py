@@ -689,9 +689,12 @@ class SpeculativeDecoder:
         seed: int = 0,
         eos_token_id: EosIds = None,
         stats: list[SpecStats] | None = None,
+        seeds: list[int] | None = None,
     ) -> Iterator[list[list[int]]]:
         """Yield, per round, the tokens each row gained (an empty list for finished rows).
         ``eos_token_id``: an id or a list of ids; a row stops after the first it emits.
+        ``seeds``: each row's own seed (default: ``row_seeds(seed, B)``), so that a prompt
+        samples as it does alone with that seed, whatever batch it runs in.
 
         ``stats``: pass an empty list to receive per-row SpecStats (filled when done).
         """
@@ -707,8 +710,10 @@ class SpeculativeDecoder:
         self.reset()
         slots = list(range(B))
         t0 = time.perf_counter()
+        if seeds is not None and len(seeds) != B:
+            raise ValueError(f"seeds: one per prompt; got {len(seeds)} for {B}")
         new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B,
-                                    row_seeds(seed, B))
+                                    row_seeds(seed, B) if seeds is None else seeds)
         while True:
             out = [[] for _ in range(B)]
             for slot, tokens in zip(slots, new, strict=True):
@@ -731,10 +736,12 @@ class SpeculativeDecoder:
         max_new_tokens: int | list[int],
         seed: int = 0,
         eos_token_id: EosIds = None,
+        seeds: list[int] | None = None,
     ) -> GenerationResult:
         out: list[list[int]] = [[] for _ in prompts]
         row_stats: list[SpecStats] = []
-        for step in self.stream(prompts, max_new_tokens, seed, eos_token_id, row_stats):
+        for step in self.stream(prompts, max_new_tokens, seed, eos_token_id, row_stats,
+                                seeds):
             for row, new in zip(out, step, strict=True):
                 row.extend(new)
         return GenerationResult(out, row_stats, aggregate(row_stats))

@@ -14,7 +14,8 @@ def test_cli_generate_json_speculative_equals_no_speculation(pair):
     vdir, ddir, _, _ = pair
     common = ["generate", "--verifier", vdir, "--prompt-ids", "4,8,15,16",
               "--max-new-tokens", "12", "--rule", "greedy", "--json", "--ignore-eos"]
-    spec = run_cli(*common, "--draft", ddir, "--k", "3")
+    # K pinned: the goodput policy (the default) may rightly draft nothing on this pair
+    spec = run_cli(*common, "--draft", ddir, "--k", "3", "--draft-len-schedule", "1:3")
     assert spec.returncode == 0, spec.stderr
     plain = run_cli(*common, "--no-speculation")
     assert plain.returncode == 0, plain.stderr
@@ -37,7 +38,7 @@ def test_cli_bad_parameter_is_a_clear_error(pair):
 def test_cli_acceptance_floor_warns_and_is_validated(pair):
     """``--acceptance-floor``: the monitoring hook's floor from the command line."""
     common = ["generate", "--verifier", pair[0], "--draft", pair[1], "--prompt-ids", "4,8,15",
-              "--max-new-tokens", "100", "--k", "4", "--ignore-eos"]
+              "--max-new-tokens", "100", "--k", "4", "--ignore-eos", "--draft-len-schedule", "1:4"]
     r = run_cli(*common, "--acceptance-floor", "0.99")
     assert r.returncode == 0, r.stderr
     assert "fell below the floor 0.990" in r.stderr

@@ -269,11 +269,11 @@ class ScriptedDecoder:
     def __init__(self, verifier, drafter, params, k, **_):
         self.k = k
 
-    def generate(self, prompts, max_new_tokens, seed=0, eos_token_id=None):
+    def generate(self, prompts, max_new_tokens, seed=0, eos_token_id=None, seeds=None):
         ScriptedDecoder.calls += 1
         stats = SpecStats(verify_steps=2, draft_tokens=2 * self.k, accepted_tokens=self.k,
                           generated_tokens=self.k + 2, total_time=0.01)
-        return GenerationResult([[prompts[0][0]]], [stats], stats)
+        return GenerationResult([[p[0]] for p in prompts], [stats] * len(prompts), stats)
 
 
 class NoDecoder:
@@ -324,6 +324,34 @@ def test_the_run_goes_on_past_hangs_and_crashes_and_resumes(tmp_path, monkeypatc
     # a log written with other settings is refused, naming what changed
     with pytest.raises(ValueError, match="max_new_tokens: 8 there, 16 now"):
         AnswerLog(tmp_path / "answers.jsonl", {**setup, "max_new_tokens": 16})
+
+
+def test_a_batched_run_gives_each_answer_its_own_seed(tmp_path, monkeypatch, problems):
+    """``batch_size``: a row answers several problems per decoder call, each with the seed
+    it has alone, and the verdicts are the same."""
+    answers = [f"```python\n{problems[0]['prompt']}{problems[0]['canonical_solution']}```",
+               "```python\nraise ValueError\n```",
+               f"```python\n{problems[2]['prompt']}{problems[2]['canonical_solution']}```"]
+    monkeypatch.setattr(task_eval, "SpeculativeDecoder", ScriptedDecoder)
+    rows = with_references([parse_row("rule=typical", 0.8, 1.0, 4)], 4)
+    args = (object(), object(), rows, problems, [[0], [1], [2]], (), lambda ids: answers[ids[0]])
+    results = {}
+    for batch_size in (1, 2):
+        ScriptedDecoder.calls = 0
+        log = AnswerLog(tmp_path / f"b{batch_size}.jsonl", {"task": "test"})
+        results[batch_size], _ = task_eval.run_humaneval(
+            *args, log, samples=2, max_new_tokens=8, timeout_s=5.0, memory_mb=512, k=4,
+            progress=False, batch_size=batch_size)
+        calls = ScriptedDecoder.calls
+        # 2 rows × 2 samples × (3 problems at batch 1, batches of 2 + 1 at batch 2), warm-ups
+        assert calls == 2 * 2 * (3 if batch_size == 1 else 2) + 2
+        logged = [json.loads(line) for line in log.path.read_text().splitlines()[1:]]
+        assert sorted((a["row"], a["task_id"], a["sample"], a["seed"]) for a in logged) == (
+            sorted((r.id, p["task_id"], s, i * task_eval.MAX_SAMPLES + s)
+                   for r in rows for i, p in enumerate(problems) for s in range(2)))
+    assert [(r.id, r.passed, r.failures) for r in results[1]] == [
+        (r.id, r.passed, r.failures) for r in results[2]]
+    assert results[2][0].passed == 4 and results[2][0].failures == {"failed": 2}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -324,11 +324,15 @@ def run_humaneval(verifier, drafter: AnyDrafter | None, rows: list[RowSpec],
                   decode: Callable[[list[int]], str], log: AnswerLog, *, samples: int = 1,
                   max_new_tokens: int = 512, seed: int = 0, timeout_s: float = 10.0,
                   memory_mb: int = 1024, k: int = 4, fused_correction: str = "auto",
-                  progress: bool = True) -> tuple[list[EvalRow], RunCounts]:
+                  progress: bool = True, batch_size: int = 1
+                  ) -> tuple[list[EvalRow], RunCounts]:
     """Answer every problem with every row (``samples`` answers per problem for a sampling
     row, one for a greedy row), run each answer's tests, and summarise the rows; answers the
     log holds are reused. ``k``: the run's K, that of the lossless references the speed-ups
-    are over (``with_references``); a row whose reference is not among ``rows`` has none."""
+    are over (``with_references``); a row whose reference is not among ``rows`` has none.
+    ``batch_size``: a row answers up to this many problems in one batch (each answer with
+    its own seed, as alone; greedy answers are the same at any batch size); an answer's
+    seconds are its share of its batch's wall clock, by generated tokens."""
     if len(prompts) != len(problems) or not problems:
         raise ValueError(f"{len(prompts)} prompts for {len(problems)} problems")
     if not 1 <= samples <= MAX_SAMPLES:
@@ -342,7 +346,8 @@ def run_humaneval(verifier, drafter: AnyDrafter | None, rows: list[RowSpec],
     def decoder(spec: RowSpec) -> SpeculativeDecoder:
         if spec.id not in decoders:
             dec = SpeculativeDecoder(verifier, drafter if spec.k else None, spec.params,
-                                     k=spec.k, max_batch_size=1, max_seq_len=max_seq_len,
+                                     k=spec.k, max_batch_size=batch_size,
+                                     max_seq_len=max_seq_len,
                                      acceptance_floor=0.0, fused_correction=fused_correction)
             # warm-up, untimed: first calls pay one-off costs (sessions, kernel choices)
             dec.generate([prompts[0][:16]], 4, seed=seed)
@@ -356,25 +361,34 @@ def run_humaneval(verifier, drafter: AnyDrafter | None, rows: list[RowSpec],
     counts.reused = len(todo) - len(pending)
     bar = tqdm(total=len(todo), initial=counts.reused, desc="humaneval", unit="answer",
                disable=not progress)
+    # rows interleaved batch by batch of problems: a slow spell falls on every row alike
+    batches: dict[tuple[int, str, int], list[tuple[int, RowSpec, int]]] = {}
     for i, spec, sample in pending:
-        problem = problems[i]
-        answer_seed = seed + i * MAX_SAMPLES + sample
+        batches.setdefault((i // batch_size, spec.id, sample), []).append((i, spec, sample))
+    for batch in batches.values():
+        spec, sample = batch[0][1], batch[0][2]
+        seeds = [seed + i * MAX_SAMPLES + sample for i, _, _ in batch]
         dec = decoder(spec)
         t0 = time.perf_counter()
-        result = dec.generate([prompts[i]], max_new_tokens, seed=answer_seed, eos_token_id=eos)
+        result = dec.generate([prompts[i] for i, _, _ in batch], max_new_tokens,
+                              eos_token_id=eos, seeds=seeds)
         seconds = time.perf_counter() - t0
-        stats = result.stats
-        completion = decode(result.token_ids[0])
-        code = humaneval.extract_code(completion, problem["entry_point"])
-        verdict = run_program(humaneval.program(problem, code), timeout_s, memory_mb)
-        log.add(Answer(
-            row=spec.id, task_id=problem["task_id"], sample=sample, seed=answer_seed,
-            completion=completion, passed=verdict.passed, reason=verdict.reason,
-            detail=verdict.detail, generated_tokens=stats.generated_tokens,
-            draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
-            verify_steps=stats.verify_steps, seconds=seconds, exec_seconds=verdict.seconds))
-        counts.decoded += 1
-        bar.update(1)
+        tokens = max(sum(len(t) for t in result.token_ids), 1)
+        for (i, _, _), answer_seed, ids, stats in zip(batch, seeds, result.token_ids,
+                                                      result.row_stats, strict=True):
+            problem = problems[i]
+            completion = decode(ids)
+            code = humaneval.extract_code(completion, problem["entry_point"])
+            verdict = run_program(humaneval.program(problem, code), timeout_s, memory_mb)
+            log.add(Answer(
+                row=spec.id, task_id=problem["task_id"], sample=sample, seed=answer_seed,
+                completion=completion, passed=verdict.passed, reason=verdict.reason,
+                detail=verdict.detail, generated_tokens=stats.generated_tokens,
+                draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+                verify_steps=stats.verify_steps, seconds=seconds * len(ids) / tokens,
+                exec_seconds=verdict.seconds))
+            counts.decoded += 1
+            bar.update(1)
         bar.set_postfix_str(spec.id, refresh=False)
     bar.close()
     out = []
