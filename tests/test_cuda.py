@@ -78,3 +78,48 @@ def test_ngram_drafter_on_cuda_is_lossless(cuda_models):
     dec = SpeculativeDecoder(verifier, Drafter("ngram"), RuleParams("greedy"), k=4,
                              max_batch_size=2)
     assert dec.generate(repeat, 24).token_ids == plain.generate(repeat, 24).token_ids
+
+
+# captured steps (runtime/compiled.py): CUDA graphs through torch.compile, the whole model per
+# graph. One shape for every call (8 rows, 2K + 2 positions, as on the CPU): the toy pair's
+# models share it, so the step compiles a few graphs, not a bucket set's dozens.
+COMPILED_K = 3
+
+
+@pytest.fixture(scope="module")
+def compiled_cuda_models(pair):
+    from paradraft.runtime.compiled import Shapes, compile_model
+
+    shapes = Shapes((8,), (2 * COMPILED_K + 2,))
+    return tuple(compile_model(load_model(d, torch.bfloat16, "cuda"), k=COMPILED_K,
+                               shapes=shapes) for d in pair[:3])
+
+
+# ids: "-k ngram" (the kernel step of scripts/gpu_check.sh) must not pick these
+@pytest.mark.parametrize("kind", ["model", "parallel", "self", "ngram"],
+                         ids=["model", "parallel", "self", "lookup"])
+def test_captured_bf16_greedy_equals_eager(cuda_models, compiled_cuda_models, kind):
+    from test_compile import assert_same_or_tie
+
+    def run(verifier, draft, parallel):
+        model = {"model": draft, "parallel": parallel, "self": verifier, "ngram": None}[kind]
+        drafter = Drafter("ngram") if kind == "ngram" else Drafter(kind, model)
+        dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=COMPILED_K,
+                                 max_batch_size=8)
+        return dec.generate(prompts(), NEW_TOKENS)
+
+    want = run(*cuda_models).token_ids
+    result = run(*compiled_cuda_models)
+    forward = compiled_cuda_models[0].forward
+    assert (forward.mode, forward.unit, forward.graphs) == ("reduce-overhead", "model", True)
+    for p, got, w in zip(prompts(), result.token_ids, want, strict=True):
+        # bfloat16: fused kernels round differently, a near tie may flip
+        assert_same_or_tie(forward.eager, cuda_models[0], p, got, w, epsilon=0.1)
+    assert result.stats.accepted_tokens > 0
+
+
+def test_captured_bf16_exact_rule_keeps_the_verifier_distribution(cuda_models,
+                                                                   compiled_cuda_models):
+    verifier, draft, _ = compiled_cuda_models
+    assert_joint_distribution(verifier, Drafter("model", draft), VOCAB, rows=8, seeds=384,
+                              reference=cuda_models[0])

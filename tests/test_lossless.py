@@ -148,10 +148,12 @@ def test_exact_speculative_decoding_matches_the_verifier_joint_distribution(mode
 
 
 def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, seeds: int = 12,
-                              prompt: list[int] | None = None,
+                              prompt: list[int] | None = None, reference=None,
                               **decoder_kwargs) -> SpeculativeDecoder:
     """End to end through the decoder: the first two generated tokens of a fixed prompt,
     sampled with exact speculation, follow the verifier's joint distribution (chi-square).
+    ``reference``: the model the target is computed with (default: the verifier; a compiled
+    verifier passes its eager twin, so the target's shapes compile nothing).
     ``decoder_kwargs``: more SpeculativeDecoder options; returns the decoder (for its stats)."""
     params = RuleParams("exact", temperature=1.0)
     prompt = prompt or [5, 9, 14]
@@ -164,6 +166,7 @@ def assert_joint_distribution(verifier, drafter, vocab: int, rows: int = 256, se
         pairs += [o[0] * vocab + o[1] for o in out]
     samples = torch.tensor(pairs)
     # the target, computed directly from the verifier
+    verifier = verifier if reference is None else reference
     dev, dtype = verifier.device, verifier.dtype
     with torch.no_grad():
         cache = new_kv_cache(verifier.config, 1, n + 13, dtype, dev)

@@ -15,6 +15,7 @@ from paradraft.runtime.checkpoints import (
     load_draft,
     load_tokenizer,
 )
+from paradraft.runtime.compiled import compile_decoder
 from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
@@ -81,12 +82,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_fused_correction_arg(p)
     p.add_argument("--no-speculation", action="store_true",
                    help="plain autoregressive decoding of the verifier (the baseline)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the torch models' draft and verify steps from torch.compile "
+                        "graphs (CUDA graphs on a GPU), compiled before the first request "
+                        "(docs/gpu.md); not with --engines")
     add_device_args(p)
     p.add_argument("--seed", type=int, default=0)
 
 
 def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: int
                   ) -> tuple[SpeculativeDecoder, Transformer]:
+    if args.engines and args.compile:
+        raise ValueError("--compile compiles the torch backend's models (--verifier); an "
+                         "engine dir (--engines) runs its own graphs")
     if args.engines and not args.no_speculation:  # checked before any engine loads
         args.drafter = engine_drafter(read_manifest(args.engines, verify=False), args.engines,
                                       args.drafter)
@@ -127,6 +135,8 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
         max_seq_len=max_seq_len, acceptance_floor=args.acceptance_floor,
         draft_len_schedule=args.draft_len_schedule,
     )
+    if args.compile:  # every shape compiled (on CUDA captured) before the first round
+        compile_decoder(decoder)
     return decoder, verifier
 
 
