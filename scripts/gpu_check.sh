@@ -3,7 +3,8 @@
 #   nvidia-smi; the GPU correction kernel's tests on the GPU (TRITON_INTERPRET unset); the
 #   torch runtime on CUDA in bf16 (tests/test_cuda.py, generate --device cuda); TensorRT
 #   engines for the demo pair; the fused (in-engine) correction against the unfused path;
-#   bench with the efficiency column (TensorRT fused on/off, torch CUDA bf16); the backend
+#   bench with the efficiency column (TensorRT fused on/off, torch CUDA bf16); captured
+#   (CUDA graph) steps against eager (lab/compile_cost.py); the backend
 #   conformance suite; a Triton serve + query + loadtest
 #   smoke on those engines; where tensorrt_llm imports, the TensorRT-LLM >= 1.3 deployment
 #   (trtllm-serve and Triton llmapi, scripts/trtllm_check.sh) or, <= 1.2.1, the legacy engines.
@@ -12,7 +13,8 @@
 # Usage: scripts/gpu_check.sh [OUT_DIR]     (default out/gpu_check)
 # Env: PARADRAFT, PYTHON (default .venv/bin/* when present, else from PATH),
 #      GRPC_PORT / HTTP_PORT / METRICS_PORT (default 18001 / 18000 / 18002),
-#      READY_TIMEOUT (seconds to wait for the server, default 600).
+#      READY_TIMEOUT (seconds to wait for the server, default 600),
+#      COMPILE_BUDGET (seconds the captured-steps step starts blocks in, default 300).
 # The functions below run through `step` and the EXIT trap, which shellcheck cannot follow:
 # shellcheck disable=SC2317
 set -u
@@ -108,7 +110,7 @@ step "kernel tests (GPU)" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/t
     -k "kernel or ngram"
 
 # 2b. the torch runtime on CUDA in bf16: greedy speculative == greedy plain for every drafter,
-# and the exact rule's distribution test
+# and the exact rule's distribution test, eager and from captured CUDA graphs (--compile)
 step "torch runtime (CUDA bf16)" "$PYTHON" -m pytest -q -rs tests/test_cuda.py
 step "generate --device cuda" "$PARADRAFT" generate --device cuda --dtype bfloat16 \
     --prompt "def fibonacci(n):" --max-new-tokens 32 --json
@@ -155,6 +157,17 @@ fi
 step "bench torch cuda (efficiency)" "$PARADRAFT" bench --backends torch --device cuda \
     --dtype bfloat16 --drafters model,parallel --ks 4 --batch-sizes 1,8 --no-hf \
     --out "$OUT/bench_torch_cuda"
+
+# 3d. captured steps (runtime/compiled.py: torch.compile, CUDA graphs) against eager, bf16,
+# random weights at SmolLM2's shape and a 1.5B (Qwen2.5-1.5B) shape, batch 1, 8, 32: the plain
+# step eager vs captured, the verify pass of K + 1 positions in plain steps, speculative
+# (n-gram) vs plain tok/s, both captured. COMPILE_BUDGET (seconds, default 300) bounds it:
+# a block that would start later is listed as skipped in compile_cost.json (written after
+# every block), and a run 3 minutes past the budget is stopped.
+COMPILE_BUDGET=${COMPILE_BUDGET:-300}
+step "captured steps (torch cuda)" timeout "$((COMPILE_BUDGET + 180))" "$PYTHON" \
+    lab/compile_cost.py --device cuda --dtype bfloat16 --budget-s "$COMPILE_BUDGET" \
+    --out "$OUT/compile_cost.json"
 
 # 4. the same suite on every backend present (tensorrt included now)
 step "conformance tests" env -u TRITON_INTERPRET "$PYTHON" -m pytest -q tests/test_conformance.py
