@@ -28,6 +28,9 @@ def analytic_length(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+PLAIN_PROBE_ROUNDS = 32  # a drafting policy re-times a plain step once in this many rounds
+
+
 @dataclass
 class RoundCosts:
     """Seconds a round's parts take on this machine, per running batch size (row b: b + 1
@@ -41,6 +44,19 @@ class RoundCosts:
     draft: list[list[float]]
     refresh: float = 0.1  # a live round's weight in its cell (an exponential average)
     revision: int = 0  # bumped by every change: the metrics resend only what moved
+    # planned rounds at each batch size since its plain step (K = 0) was last timed: the
+    # baseline every plan is weighed against, which a policy that keeps drafting would never
+    # refresh (one slow spell while it was calibrated, and it drafts at a loss for good)
+    since_plain: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.since_plain is None:
+            self.since_plain = [0] * len(self.verify)
+
+    def plain_is_stale(self, batch_size: int) -> bool:
+        """Whether this round should be a plain step that re-times the baseline: one in
+        ``PLAIN_PROBE_ROUNDS`` planned rounds at a batch size, when the plan drafted."""
+        return self.since_plain[batch_size - 1] >= PLAIN_PROBE_ROUNDS
 
     @classmethod
     def from_calibration(cls, sizes: list[int], verify: Tensor, draft: Tensor,
@@ -56,6 +72,8 @@ class RoundCosts:
         """A live round of ``batch_size`` rows: the draft model drafted ``k_draft`` (0: it
         sat out) and the verifier checked ``width`` drafts."""
         w = self.refresh
+        self.since_plain[batch_size - 1] = 0 if width == 0 else (
+            self.since_plain[batch_size - 1] + 1)
         row = self.verify[batch_size - 1]
         row[width] += w * (verify_seconds - row[width])
         if k_draft:

@@ -408,6 +408,10 @@ class SpeculativeDecoder:
                               [found_host[i] for i in lookup_rows],
                               [pinned[i] for i in lookup_rows])
             k_model, k_lookup = plan.k_model, plan.k_lookup
+            if (k_model or k_lookup) and self.costs.plain_is_stale(B) and not any(pinned):
+                # re-time the baseline: a plain step now and then
+                k_model = k_lookup = 0
+                plan = RoundPlan(0, 0, B, float(B), plan.plain_seconds, plan.plain_seconds)
             for name, sat_out in [("model", model_rows and not k_model),
                                   ("ngram", lookup_rows and not k_lookup)]:
                 if sat_out:  # no evidence this round: α drifts back, so it tries again
@@ -498,17 +502,19 @@ class SpeculativeDecoder:
 
         def time_round(batch_size: int, k: int) -> tuple[float, float]:
             slots = list(range(batch_size))
-            if filled["size"] != batch_size or filled["left"] < rounds * (k + 1):
+            if filled["size"] != batch_size or filled["left"] < (rounds + 1) * (k + 1):
                 self.reset()  # one prefill per batch size, while the rows have room
                 self.prefill(slots, [prompt] * batch_size, [room] * batch_size,
                              [None] * batch_size, [0] * batch_size)
                 filled.update(size=batch_size, left=room - 1)
+            # an untimed round first: the first after a prefill or another K paid more
+            self.step(slots, k=k)
             draft = verify = float("inf")
             for _ in range(rounds):
                 self.step(slots, k=k)
                 _, _, draft_s, verify_s = self.last_round
                 draft, verify = min(draft, draft_s), min(verify, verify_s)
-            filled["left"] -= rounds * (k + 1)
+            filled["left"] -= (rounds + 1) * (k + 1)
             return draft, verify
 
         # the dummy rounds' acceptance must neither count nor alert, nor their K show

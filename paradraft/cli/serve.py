@@ -101,6 +101,10 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    metavar="N", help="rounds with >= N running requests decode without "
                    "drafts (a saturated device gains nothing from speculation)")
     add_draft_len_schedule_arg(s)
+    s.add_argument("--compile", action="store_true",
+                   help="run the torch models' draft and verify steps from torch.compile "
+                        "graphs (CUDA graphs on a GPU), compiled when the model loads "
+                        "(checkpoints only; refused with --engines)")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streamed responses after the first carry at least N new tokens "
                    "(fewer responses, each an IPC hop: more throughput, coarser "
@@ -152,6 +156,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
+                       compile=args.compile,
                        devices=devices_arg(args.device, backend), instances=args.instances,
                        # every server can draft a request with the lookup (its drafter
                        # "ngram"), so the sizes always apply

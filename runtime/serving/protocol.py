@@ -18,6 +18,7 @@ import torch
 from ..backends.loader import load_engines
 from ..backends.trt import check_limits
 from ..checkpoints import DTYPES, load_draft, resolve_dtype
+from ..compiled import compile_decoder
 from ..correction import RULES, RuleParams, check_range
 from ..drafters import DRAFTERS, Drafter, NgramDrafter
 from ..k_policy import check_draft_len_schedule
@@ -72,6 +73,9 @@ class ServeConfig:
     # verify and correct in one engine call (engine dirs with a correction graph): on | off |
     # auto, as SpeculativeDecoder's fused_correction
     fused_correction: str = "auto"
+    # the torch models' draft and verify steps from torch.compile graphs (CUDA graphs on a
+    # GPU), compiled before the first request (runtime/compiled.py); checkpoints only
+    compile: bool = False
     # weights and KV cache of checkpoints (float32 | bfloat16 | float16); None: the
     # checkpoint's torch_dtype on CUDA, float32 on the CPU (as `generate`)
     dtype: str | None = None
@@ -102,6 +106,9 @@ class ServeConfig:
         if self.fused_correction not in FUSED_MODES:
             raise ValueError(f"fused_correction must be one of {', '.join(FUSED_MODES)}; "
                              f"got {self.fused_correction!r}")
+        if self.compile and self.engines:
+            raise ValueError("compile compiles the torch backend's models (checkpoints); an "
+                             "engine dir's backend has its own graphs: drop --compile")
         if self.fused_correction == "on" and not self.engines:
             raise ValueError("fused_correction 'on' needs engines (an engine dir whose "
                              "verifier carries the correction graph); checkpoints have none")
@@ -191,8 +198,10 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         # a request may draft with the lookup instead (its drafter "ngram")
         lookup=None if drafter.model is None else lookup,
     )
+    if config.compile:  # every shape compiled (on CUDA captured) before the first request
+        compile_decoder(decoder)
     if config.draft_len_schedule == "auto":
-        decoder.calibrate()  # before the scheduler owns the slots
+        decoder.calibrate()  # before the scheduler owns the slots, on the compiled steps
     return Scheduler(decoder, max_queue=config.max_queue)
 
 
