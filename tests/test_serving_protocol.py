@@ -16,7 +16,7 @@ def serve_args(**overrides) -> argparse.Namespace:
                    k=None, rule=None, max_slots=None, max_queue=64, max_seq_len=None,
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
                    stream_interval=1, draft_threads=1, acceptance_floor=0.6,
-                   fused_correction="auto", device=None, dtype=None, instances=1,
+                   fused_correction="auto", device=None, dtype=None, instances=1, compile=False,
                    ngram_min=None, ngram_max=None)
     return argparse.Namespace(**{**options, **overrides})
 
@@ -211,6 +211,8 @@ def test_num_draft_tokens_zero_turns_speculation_off_and_the_range_is_named():
                          config).num_draft_tokens == 0
     with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 4\]"):
         parse_request({**inputs, "num_draft_tokens": np.array([[5]], np.int32)}, config)
+    # unset: the server's K, which its schedule (the goodput policy by default) plans
+    assert parse_request(inputs, config).num_draft_tokens is None
     # the drafter per request: the server's, or the n-gram lookup beside it
     assert not parse_request(inputs, config).lookup_drafts
     assert not parse_request({**inputs, "drafter": texts("model")}, config).lookup_drafts

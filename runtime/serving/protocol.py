@@ -260,7 +260,7 @@ class ParsedRequest:
     prompt: list[int]
     max_new_tokens: int
     params: RuleParams
-    num_draft_tokens: int
+    num_draft_tokens: int | None  # None: the server's (planned) K
     seed: int
     eos_token_id: int | tuple[int, ...] | None
     stream: bool
@@ -492,9 +492,10 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
                  for name in ("tau", "gamma", "alpha", "epsilon", "delta")}
     params = rule_params(config, rule, temperature, top_p,
                          **{k: v for k, v in overrides.items() if v is not None})
+    # None: the server's K, which its schedule (the goodput policy by default) may lower; a
+    # K named here is the request's own
     k = scalar(inputs, "num_draft_tokens", int)
-    k = config.k if k is None else k
-    if not 0 <= k <= config.k:  # 0: this request decodes without drafts
+    if k is not None and not 0 <= k <= config.k:  # 0: this request decodes without drafts
         raise ValueError(f"num_draft_tokens must be in [0, {config.k}] (0: no speculation); "
                          f"got {k}")
     drafter = scalar(inputs, "drafter", str)
