@@ -29,6 +29,10 @@ def analytic_length(alpha: float, k: int) -> float:
 
 
 PLAIN_PROBE_ROUNDS = 32  # a drafting policy re-times a plain step once in this many rounds
+# a round drafts only where it is expected to beat a plain step by this factor: the model
+# (analytic length at the running α, costs from earlier rounds) was 10-20 % optimistic
+# against the realized goodput under load (paradraft_goodput_expected / _realized)
+DRAFT_MARGIN = 1.10
 
 
 @dataclass
@@ -117,8 +121,9 @@ def plan_round(verify: list[float], draft: list[float], alpha_model: float,
     request named its K, drafts its cap whatever K is) and gains ``analytic_length(α_model,
     ·)``; lookup rows: each keeps min(what its lookup found, cap) (pinned: all it found) and
     gains ``analytic_length(α_lookup, ·)``. The round costs the draft model's K (when any
-    model row drafts) and a verify pass as wide as the widest row. (0, 0) is a plain step;
-    ties go to the smaller K. Host arithmetic over K only: rows are counted by their cap."""
+    model row drafts) and a verify pass as wide as the widest row. (0, 0) is a plain step,
+    and a plan that drafts must beat it by ``DRAFT_MARGIN``; among those, ties go to the
+    smaller K. Host arithmetic over K only: rows are counted by their cap."""
     def gains(alpha: float, caps: list[int], pinned: list[bool], top: int
               ) -> tuple[list[float], int]:
         """Expected tokens of these rows for each K in 0..top, and the width the pinned
@@ -147,9 +152,12 @@ def plan_round(verify: list[float], draft: list[float], alpha_model: float,
             width = max(model_width, min(k_lookup, top_lookup), lookup_forced)
             seconds = verify[width] + (draft[model_width] if model_width else 0.0)
             tokens = model_tokens[k_model] + lookup_tokens[k_lookup]
-            if best is None or tokens / seconds > best.expected_tokens / best.seconds * (
-                    1 + 1e-9):
-                best = RoundPlan(k_model, k_lookup, rows, tokens, seconds, verify[0])
+            plan = RoundPlan(k_model, k_lookup, rows, tokens, seconds, verify[0])
+            if best is None:  # (0, 0) first, or the width the pinned rows force
+                best = plain = plan
+            elif tokens / seconds > best.expected_tokens / best.seconds * (1 + 1e-9) and (
+                    tokens / seconds > plain.expected_tokens / plain.seconds * DRAFT_MARGIN):
+                best = plan
     return best
 
 

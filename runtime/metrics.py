@@ -35,15 +35,9 @@ class AcceptanceMonitor:
         prior of 1/2 worth two positions, so that it starts, and relaxes back, at 0.5."""
         return (self.accepted + 1.0) / (self.reached + 2.0)
 
-    @property
-    def alpha_optimistic(self) -> float:
-        """α plus an uncertainty bonus that shrinks with the evidence (an upper confidence
-        bound): with little evidence a policy keeps drafting, so it keeps measuring."""
-        return min(1.0, self.alpha + 0.5 / (self.reached + 2.0) ** 0.5)
-
     def relax(self, factor: float) -> None:
         """Fade the evidence (rounds without drafts): α drifts back to the prior, so a policy
-        that stopped drafting on a low α tries again later."""
+        that stopped drafting on a low α tries again later (its exploration)."""
         self.drafted *= factor
         self.accepted *= factor
         self.reached *= factor

@@ -402,8 +402,7 @@ class SpeculativeDecoder:
             size = B - 1
             lookup_rows = [i for i in range(B) if by_lookup[i]]
             plan = plan_round(self.costs.verify[size], self.costs.draft[size],
-                              self.monitors["model"].alpha_optimistic,
-                              self.monitors["ngram"].alpha_optimistic,
+                              self.monitors["model"].alpha, self.monitors["ngram"].alpha,
                               caps, [pinned[i] for i in model_rows],
                               [found_host[i] for i in lookup_rows],
                               [pinned[i] for i in lookup_rows])
