@@ -53,6 +53,10 @@ log = logging.getLogger("paradraft")
 MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-of-turn ids)
 EosIds = int | Sequence[int] | None
 FUSED_MODES = ("on", "off", "auto")
+# per round a drafter sits out, its acceptance evidence fades by this factor, so that the
+# goodput policy tries it again: at 0.99 the evidence halves in about 70 rounds (at 0.97,
+# about 23, the policy re-tried a poor drafter often enough to cost throughput under load)
+EVIDENCE_FADE = 0.99
 AUDIT_NEEDS_LOGITS = "audit: the attention causal audit needs the verifier's logits"
 # a slot's counts, as SpecStats names them
 _COUNTS = ("verify_steps", "draft_tokens", "accepted_tokens", "rollbacks", "num_drafts",
@@ -414,7 +418,7 @@ class SpeculativeDecoder:
             for name, sat_out in [("model", model_rows and not k_model),
                                   ("ngram", lookup_rows and not k_lookup)]:
                 if sat_out:  # no evidence this round: α drifts back, so it tries again
-                    self.monitors[name].relax(0.97)
+                    self.monitors[name].relax(EVIDENCE_FADE)
         # what each row keeps: a model row min(its K, the model's), a lookup row min(what it
         # found, the cap); a pinned row (its request named its K) all of its own
         kept = [min(self.host_k[s], k) if not by_lookup[i] else found_host[i]
