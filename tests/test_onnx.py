@@ -532,8 +532,10 @@ def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rule_defaults"]["rule"] == "dynamic"
     assert manifest["rule_defaults"]["tau"] == 0.25
+    # K pinned: the torch run below drafts K=3 every round (the goodput policy may not)
     common = ["generate", "--prompt-ids", "4,8,15,16", "--max-new-tokens", "14", "--k", "3",
-              "--rule", "greedy", "--json", "--ignore-eos", "--drafter", "parallel"]
+              "--rule", "greedy", "--json", "--ignore-eos", "--drafter", "parallel",
+              "--draft-len-schedule", "1:3"]
     r = run_cli(*common, "--engines", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
