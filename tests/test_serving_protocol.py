@@ -35,6 +35,7 @@ def test_serve_config_validates_its_limits():
                         (dict(k=2, draft_len_schedule={1: 3}), r"K in \[0, 2\]"),
                         (dict(draft_threads=0), r"draft_threads must be an integer >= 1"),
                         (dict(acceptance_floor=1.5), r"acceptance_floor must be in \[0, 1\]"),
+                        (dict(compile="yes"), "compile must be true or false"),
                         (dict(compile=True, engines="engines/x"),
                          "compile compiles the torch backend's models")]:
         with pytest.raises(ValueError, match=message):

@@ -106,6 +106,8 @@ class ServeConfig:
         if self.fused_correction not in FUSED_MODES:
             raise ValueError(f"fused_correction must be one of {', '.join(FUSED_MODES)}; "
                              f"got {self.fused_correction!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false; got {self.compile!r}")
         if self.compile and self.engines:
             raise ValueError("compile compiles the torch backend's models (checkpoints); an "
                              "engine dir's backend has its own graphs: drop --compile")
