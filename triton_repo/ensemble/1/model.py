@@ -342,6 +342,7 @@ class TritonPythonModel:
         self.scheduler = protocol.build_scheduler(self.config, device)
         self.k = max(self.config.k, 1)
         self.metrics = Metrics(self.k, self.config.max_slots, args["model_name"], self.instance)
+        self.rounds_read = -1  # rounds counted at the last snapshot of them (account)
         self.live = {}  # request id -> its Stream, for requests running or queued
         # requests accepted whose final response has not gone out yet: the drain waits for 0
         self.open = 0
@@ -474,11 +475,16 @@ class TritonPythonModel:
         now = (stats.draft_tokens, stats.accepted_tokens, stats.rollbacks,
                stats.drafted_per_position, stats.accepted_per_position)
         before, s.seen = s.seen, now
+        # the rounds' snapshot once per round, not once per request in it
+        decoder = self.scheduler.decoder
+        rounds_done = sum(decoder.rounds.by_width)
+        rounds = None
+        if rounds_done != self.rounds_read:
+            rounds, self.rounds_read = self.protocol.round_metrics(decoder), rounds_done
         if self.metrics.add(now[0] - before[0], now[1] - before[1], now[2] - before[2],
                             [a - b for a, b in zip(now[3], before[3], strict=False)],
                             [a - b for a, b in zip(now[4], before[4], strict=False)],
-                            self.scheduler, length, now=length is not None,
-                            rounds=self.protocol.round_metrics(self.scheduler.decoder)):
+                            self.scheduler, length, now=length is not None, rounds=rounds):
             self.outbox.put(self.metrics.flush)
 
     def make_request(self, parsed, sender, wanted, request_id=""):
