@@ -175,6 +175,12 @@ class Scheduler:
         while True:
             admitted = self._admit()
             if self.stopping:
+                # a stop may land between the admission and this check: the requests just
+                # admitted have a slot but are not running yet, and end here too (else their
+                # clients never get a final response, and Triton waits for it to unload)
+                for slot, req in admitted:
+                    self._free_slot(slot)
+                    tell_done(req, None, ShuttingDown("server shutting down"))
                 self._fail_all(ShuttingDown("server shutting down"))
                 return
             try:

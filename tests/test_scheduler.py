@@ -10,7 +10,7 @@ import torch
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.drafters import Drafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.scheduler import QueueFull, Request, Scheduler
+from paradraft.runtime.scheduler import QueueFull, Request, Scheduler, ShuttingDown
 from paradraft.runtime.serving.protocol import ServeConfig, build_scheduler
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -78,6 +78,37 @@ def test_many_requests_over_few_slots_each_get_their_solo_output(models):
         assert all(r[2]["stats"].generated_tokens == n for r, n in zip(runs, lengths,
                                                                       strict=True))
         assert sched.stats() == {"active": 0, "queued": 0, "free_slots": 4}
+    finally:
+        sched.stop()
+
+
+def test_a_stop_right_after_admission_still_ends_the_admitted_requests(models):
+    """A stop that lands between a request's admission (it has a slot, it is not running
+    yet) and the scheduler's next look at the stop flag ends that request too: without its
+    final callback the server never answers it, and Triton waits for it to unload."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=2,
+                             max_batch_size=2, max_seq_len=64)
+    sched = Scheduler(dec, max_queue=4)
+    let_go = hold_scheduler(sched)  # the thread waits inside a callback of slot 0
+    admit = sched._admit
+
+    def admit_then_stop():  # the stop arrives just after the admission
+        admitted = admit()
+        if admitted:
+            with sched.lock:
+                sched.stopping = True
+        return admitted
+
+    sched._admit = admit_then_stop
+    out, done, result = collect(sched, [3, 4], 8, RuleParams("greedy"))
+    held_done = let_go()
+    try:
+        assert done.wait(60), "the admitted request never heard it ended"
+        assert isinstance(result["error"], ShuttingDown) and out == []
+        assert held_done.wait(60)
+        sched.thread.join(60)
+        assert not sched.thread.is_alive() and sorted(sched.free) == [0, 1]
     finally:
         sched.stop()
 

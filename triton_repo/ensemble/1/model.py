@@ -25,6 +25,7 @@ Each model instance (``instance_group``) is a process of its own on its device, 
 scheduler and slots; its metrics carry its name. A control thread follows ``paradraft
 serve``'s drain and stop (``Server.drain``, ``Server.stop`` in runtime/serving/server.py)."""
 
+import contextlib
 import faulthandler
 import functools
 import json
@@ -55,6 +56,10 @@ CANCEL_POLL_S = 0.05
 METRICS_FLUSH_S = 0.05
 # how often an instance reads `paradraft serve`'s control file (a drain or a stop)
 CONTROL_POLL_S = 0.1
+# while a drain or stop waits on open requests, the log says how many every this often
+OPEN_NOTE_S = 2.0
+# a stop closes the requests still open this long after the scheduler ended them all
+STOP_GRACE_S = 3.0
 # a refused request's error response goes out this long after execute() took the request,
 # from the sender thread. Triton 2.51's gRPC frontend races on an error response that comes
 # back quickly to a stream opened with triton_grpc_error (as complete() and the OpenAI API
@@ -311,6 +316,18 @@ def response(wanted, text, ids, length, stats=None, reason=""):
         for name, (value, dtype) in values.items() if name in wanted])
 
 
+def send_or_close(sender, final):
+    """Send a request's final response; if that fails (a response the client can no longer
+    take), still close its stream with a bare final flag and re-raise: Triton holds a
+    request until its final flag, and a model with one held request never unloads."""
+    try:
+        sender.send(final, flags=FINAL)
+    except Exception:
+        with contextlib.suppress(Exception):  # already closed: nothing more to do
+            sender.send(flags=FINAL)
+        raise
+
+
 def error(message, code):
     return pb_utils.InferenceResponse(
         error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
@@ -344,8 +361,9 @@ class TritonPythonModel:
         self.metrics = Metrics(self.k, self.config.max_slots, args["model_name"], self.instance)
         self.rounds_read = -1  # rounds counted at the last snapshot of them (account)
         self.live = {}  # request id -> its Stream, for requests running or queued
-        # requests accepted whose final response has not gone out yet: the drain waits for 0
-        self.open = 0
+        # the senders of requests accepted whose final response has not gone out yet (by
+        # id): a drain waits until none is left, and a stop closes those a bug left open
+        self.open = {}
         self.open_lock = threading.Lock()
         self.draining = False  # set by the control thread: new requests are refused
         self.control = Path(params["control_dir"])
@@ -365,7 +383,8 @@ class TritonPythonModel:
         running ones) or ``stop`` (before tritonserver exits: end them all now, as
         UNAVAILABLE) to ``control_dir/mode``; this instance answers with
         ``control_dir/<instance>.<mode>`` once its last request had its final response."""
-        mode, reported = "", ""
+        mode, reported, stop_asked = "", "", 0.0
+        next_note = time.monotonic() + OPEN_NOTE_S
         while not self.closing.wait(CONTROL_POLL_S):
             try:
                 asked = (self.control / "mode").read_text().strip()
@@ -374,16 +393,44 @@ class TritonPythonModel:
             self.draining = True
             if asked == "stop" and mode != "stop":
                 self.scheduler.stop()  # running and queued requests end with ShuttingDown
+                stop_asked = time.monotonic()
             mode = asked
             with self.open_lock:
-                idle = self.open == 0
-            if idle and mode != reported:
+                open_now = len(self.open)
+            if open_now == 0 and mode != reported:
                 (self.control / f"{self.instance}.{mode}").touch()
                 reported = mode
+            elif open_now and time.monotonic() >= next_note:  # says what a hung exit waits on
+                next_note = time.monotonic() + OPEN_NOTE_S
+                pb_utils.Logger.log_info(
+                    f"paradraft: {self.instance} {mode}: {open_now} requests still open "
+                    f"(ids {sorted(self.live)[:8]}, scheduler {self.scheduler.stats()}, "
+                    f"its thread alive: {self.scheduler.thread.is_alive()})")
+            if (open_now and mode == "stop" and not self.scheduler.thread.is_alive()
+                    and time.monotonic() - stop_asked >= STOP_GRACE_S):
+                self.close_open(open_now)
 
-    def opened(self, n):
+    def close_open(self, count):
+        """The scheduler has stopped and every final response it queued had time to go
+        out, yet ``count`` requests are open: a bug left them without one. Close them as
+        UNAVAILABLE, loudly: Triton holds a model with an open request past its exit
+        timeout, and their clients would wait for nothing."""
+        pb_utils.Logger.log_error(f"paradraft: {self.instance} stop: closing {count} requests "
+                                  "that never had a final response (a bug: please report it)")
         with self.open_lock:
-            self.open += n
+            senders, self.open = list(self.open.values()), {}
+        for sender in senders:
+            with contextlib.suppress(Exception):  # a final that went out meanwhile
+                send_or_close(sender, error("server shutting down: the request did not "
+                                            "finish; retry", UNAVAILABLE))
+
+    def opened(self, sender):
+        with self.open_lock:
+            self.open[id(sender)] = sender
+
+    def closed(self, sender):
+        with self.open_lock:
+            self.open.pop(id(sender), None)
 
     def send_loop(self):
         while True:
@@ -416,24 +463,28 @@ class TritonPythonModel:
                     if tensor_ is not None:
                         inputs[name] = tensor_.as_numpy()
                 parsed = self.protocol.parse_request(inputs, self.config, self.tokenizer)
-                self.submit(self.make_request(parsed, sender, wanted, request.request_id()))
+                self.submit(self.make_request(parsed, sender, wanted, request.request_id()),
+                            sender)
                 self.note_state()  # the queue depth moves at once, not at the next round
             except ValueError as e:
                 self.refuse(sender, str(e), INVALID)
             except (self.QueueFull, RuntimeError) as e:  # full, or shutting down: retry later
                 self.refuse(sender, str(e), UNAVAILABLE)
+            except Exception as e:  # a bug of ours: the request still gets its final response
+                pb_utils.Logger.log_error(f"paradraft: a request failed on arrival: {e!r}")
+                self.refuse(sender, f"internal error: {e!r}", INTERNAL)
         return None
 
     def reply(self, sender, final, delay=0.0):
         """Answer a request with its one, final response from the sender thread (after
         ``delay`` seconds), not from inside execute()."""
-        self.opened(1)  # a drain or stop waits for it as for a request
+        self.opened(sender)  # a drain or stop waits for it as for a request
 
         def send():
             try:
-                sender.send(final, flags=FINAL)
+                send_or_close(sender, final)
             finally:
-                self.opened(-1)
+                self.closed(sender)
 
         if delay:
             threading.Timer(delay, self.outbox.put, (send,)).start()
@@ -443,13 +494,13 @@ class TritonPythonModel:
     def refuse(self, sender, message, code):
         self.reply(sender, error(message, code), REFUSAL_DELAY_S)
 
-    def submit(self, request):
+    def submit(self, request, sender):
         """Hand a request to the scheduler; it counts as open until its final response."""
-        self.opened(1)
+        self.opened(sender)
         try:
             self.scheduler.submit(request)
         except BaseException:
-            self.opened(-1)  # refused: its caller answers it, and on_done never runs
+            self.closed(sender)  # refused: its caller answers it, and on_done never runs
             raise
 
     def note_state(self):
@@ -520,18 +571,20 @@ class TritonPythonModel:
         def on_done(stats, failure):  # the scheduler thread (or a request's, if dropped queued)
             if request_id and self.live.get(request_id) is s:
                 del self.live[request_id]
-            if stats is not None:
-                self.account(s, stats, stats.mean_acceptance_length)
-            else:
-                self.note_state()
-            outbox.put(functools.partial(finish, stats, failure, s.tokens[s.queued:],
-                                         list(s.tokens)))
+            try:
+                if stats is not None:
+                    self.account(s, stats, stats.mean_acceptance_length)
+                else:
+                    self.note_state()
+            finally:  # metrics that fail must not cost the client its final response
+                outbox.put(functools.partial(finish, stats, failure, s.tokens[s.queued:],
+                                             list(s.tokens)))
 
         def finish(stats, failure, chunk, tokens):  # the sender thread
             try:
                 send_final(stats, failure, chunk, tokens)
             finally:
-                self.opened(-1)
+                self.closed(sender)
 
         def send_final(stats, failure, chunk, tokens):
             if failure is None and stats is not None:
@@ -543,14 +596,14 @@ class TritonPythonModel:
                 except Exception as e:  # every request must end with a final response:
                     failure = e  # Triton waits for it before the model can unload
             if isinstance(failure, self.ShuttingDown):  # the server stops: retry elsewhere
-                sender.send(error(f"{failure}: the request did not finish; retry",
-                                  UNAVAILABLE), flags=FINAL)
+                send_or_close(sender, error(f"{failure}: the request did not finish; retry",
+                                            UNAVAILABLE))
             elif failure is not None:
-                sender.send(error(f"generation failed: {failure}", INTERNAL), flags=FINAL)
+                send_or_close(sender, error(f"generation failed: {failure}", INTERNAL))
             elif stats is None:  # cancelled or stopped: close the response stream
                 sender.send(flags=FINAL)
             else:
-                sender.send(last, flags=FINAL)
+                send_or_close(sender, last)
 
         me = self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                           on_done, num_draft_tokens=parsed.num_draft_tokens,
