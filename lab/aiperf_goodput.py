@@ -5,9 +5,12 @@ Both servers run at once, on ``--server-cpus`` (aiperf on ``--client-cpus``); ea
 level goes to one, then the other, in turn (``--repeats`` times), so that a slow spell of the
 machine hits both. Prompt sets are chat prompts from
 prompts/*.jsonl (a user message each), sent as aiperf's ``single_turn`` custom dataset to
-the OpenAI API, streamed, ``max_tokens`` fixed with ``ignore_eos``. Writes every aiperf run's
-artifacts and a summary JSON (output tok/s per server, set and concurrency; ratios are of
-medians) under ``--out``.
+the OpenAI API, streamed, ``max_tokens`` fixed with ``ignore_eos``. The server that goes
+first alternates between repeats. Besides aiperf's tok/s, each run records the CPU seconds the
+server's processes (tritonserver, its Python stub, the OpenAI API) spent per output token, read
+from /proc: a figure that a slow spell of the machine moves far less than wall-clock
+throughput. Writes every aiperf run's artifacts and a summary JSON (per server, set and
+concurrency; ratios are of medians) under ``--out``.
 
     python lab/aiperf_goodput.py --engines engines/smollm2 --aiperf /tmp/aiperf-venv/bin/aiperf
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -51,6 +55,30 @@ def start_server(engines: str, extra: list[str], log: Path) -> tuple[subprocess.
         except OSError:
             time.sleep(1)
     raise RuntimeError(f"server not ready in 600 s; see {log}")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (Linux /proc)."""
+    pids = [pid]
+    for parent in pids:
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # it exited meanwhile
+                continue
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used (those gone since are skipped)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def dataset(prompt_files: list[str], out: Path) -> Path:
@@ -125,26 +153,38 @@ def main() -> None:
             for set_name, (files, extra_inputs, levels) in chosen.items():
                 data = dataset(files, args.out / f"{set_name}.jsonl")
                 for c in levels:
-                    for name, (_, port) in servers.items():
+                    order = list(servers.items())  # who goes first alternates: no order bias
+                    for name, (proc, port) in order[::-1] if repeat % 2 else order:
                         out = args.out / name / f"{set_name}_c{c}_r{repeat}"
+                        requests = args.requests_per_slot * max(c, 4)
+                        pids = process_tree(proc.pid)
+                        cpu_before = cpu_seconds(pids)
                         export = run_aiperf(args.aiperf, port, args.engines, data, c,
-                                            args.requests_per_slot * max(c, 4),
-                                            args.max_tokens, extra_inputs, out)
+                                            requests, args.max_tokens, extra_inputs, out)
+                        cpu = cpu_seconds(pids) - cpu_before
                         row = results.setdefault(set_name, {}).setdefault(str(c), {})
                         row.setdefault(name, []).append({
                             "output_tok_s": metric(export, "output_token_throughput"),
                             "request_latency_ms": metric(export, "request_latency"),
-                            "ttft_ms": metric(export, "time_to_first_token")})
+                            "ttft_ms": metric(export, "time_to_first_token"),
+                            "server_cpu_ms_per_token": 1000 * cpu / (requests * args.max_tokens)})
                         print(f"{set_name} c={c} {name} r{repeat}: "
-                              f"{row[name][-1]['output_tok_s']:.1f} tok/s", flush=True)
+                              f"{row[name][-1]['output_tok_s']:.1f} tok/s, server CPU "
+                              f"{row[name][-1]['server_cpu_ms_per_token']:.2f} ms/token",
+                              flush=True)
         summary = {}
         for set_name, levels in results.items():
             for c, row in levels.items():
                 med = {name: statistics.median(r["output_tok_s"] for r in runs)
                        for name, runs in row.items()}
+                cpu = {name: statistics.median(r["server_cpu_ms_per_token"] for r in runs)
+                       for name, runs in row.items()}
                 summary.setdefault(set_name, {})[c] = {
                     **{f"{name}_tok_s": v for name, v in med.items()},
+                    **{f"{name}_cpu_ms_per_token": v for name, v in cpu.items()},
                     "ratio": med["spec"] / med["plain"],
+                    # plain's CPU per token over spec's: > 1 where speculation saves CPU
+                    "cpu_ratio": cpu["plain"] / cpu["spec"],
                     "ratios_per_repeat": [a["output_tok_s"] / b["output_tok_s"] for a, b in
                                           zip(row["spec"], row["plain"], strict=True)]}
         (args.out / "summary.json").write_text(json.dumps(
@@ -154,7 +194,8 @@ def main() -> None:
             for c, s in levels.items():
                 print(f"{set_name:8s} c={c:>2}: spec {s['spec_tok_s']:7.1f}  plain "
                       f"{s['plain_tok_s']:7.1f}  ratio {s['ratio']:.3f}  per repeat "
-                      + " ".join(f"{r:.3f}" for r in s["ratios_per_repeat"]))
+                      + " ".join(f"{r:.3f}" for r in s["ratios_per_repeat"])
+                      + f"  CPU/token plain/spec {s['cpu_ratio']:.3f}")
     finally:
         for proc, _ in servers.values():
             proc.terminate()
