@@ -75,15 +75,27 @@ class RoundCosts:
                 verify_seconds: float) -> None:
         """A live round of ``batch_size`` rows: the draft model drafted ``k_draft`` (0: it
         sat out) and the verifier checked ``width`` drafts."""
-        w = self.refresh
         self.since_plain[batch_size - 1] = 0 if width == 0 else (
             self.since_plain[batch_size - 1] + 1)
-        row = self.verify[batch_size - 1]
-        row[width] += w * (verify_seconds - row[width])
+        follow(self.verify[batch_size - 1], width, verify_seconds, self.refresh)
         if k_draft:
-            row = self.draft[batch_size - 1]
-            row[k_draft] += w * (draft_seconds - row[k_draft])
+            follow(self.draft[batch_size - 1], k_draft, draft_seconds, self.refresh)
         self.revision += 1
+
+
+def follow(row: list[float], column: int, seconds: float, weight: float) -> None:
+    """Move a batch size's costs toward a live round that took ``seconds`` at ``column``,
+    every K by the same factor. What moves a round's cost while serving (longer contexts,
+    the server's own work beside the loop, a catch-up of the draft cache) moves every K
+    alike, while the calibration timed the K side by side; a lone cell that followed its own
+    rounds would go stale whenever its K is not run. The plain cell, refreshed by nearly
+    every round of a server that rarely drafts, rose above the drafting cells' calibrated
+    times, and drafting looked nearly free."""
+    if row[column] <= 0.0:  # nothing to scale from
+        row[column] = seconds
+        return
+    factor = 1.0 + weight * (seconds / row[column] - 1.0)
+    row[:] = [cost * factor for cost in row]
 
 
 def interpolate(sizes: list[int], table: Tensor, batch_size: int) -> list[float]:

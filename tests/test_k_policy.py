@@ -91,13 +91,21 @@ def test_goodput_policy_leaves_a_pinned_k_be():
     assert p.k_model == 1 and p.seconds == pytest.approx(COSTS.verify[7][1] + COSTS.draft[7][1])
 
 
-def test_round_costs_follow_live_rounds():
+def test_round_costs_follow_live_rounds_keeping_the_calibrated_ratios():
     c = costs([[10.0, 11.0], [12.0, 18.0]], [[0.0, 1.0], [0.0, 2.0]])
     c.observe(8, 1, 1, 0.004, 0.028)  # this round was slower than calibrated
     assert c.verify[7][1] == pytest.approx(0.018 + 0.1 * (0.028 - 0.018))
     assert c.draft[7][1] == pytest.approx(0.002 + 0.1 * (0.004 - 0.002))
-    c.observe(8, 0, 0, 0.0, 0.012)  # a plain step: the draft model sat out
-    assert c.draft[7][0] == 0.0 and c.revision == 2
+    # the K that did not run moved by the same factor; other batch sizes stayed
+    assert c.verify[7][0] / c.verify[7][1] == pytest.approx(12 / 18)
+    assert c.verify[0] == pytest.approx([0.010, 0.011])
+    before = list(c.draft[7])
+    for _ in range(50):  # plain steps, slower than calibrated: the draft model sat out
+        c.observe(8, 0, 0, 0.0, 0.024)
+    assert c.draft[7] == before and c.draft[7][0] == 0.0 and c.revision == 51
+    # the drafting width's cost rose with them: drafting does not look cheaper than it is
+    assert c.verify[7][0] == pytest.approx(0.024, rel=0.01)
+    assert c.verify[7][1] / c.verify[7][0] == pytest.approx(18 / 12)
 
 
 def test_auto_is_the_goodput_policy_in_the_decoder(verifier, draft):
