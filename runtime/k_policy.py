@@ -41,12 +41,12 @@ class RoundCosts:
     rows) and K (column k): ``verify``: the verifier over K + 1 positions, the correction and
     the host's bookkeeping; ``draft``: the draft model proposing K tokens (0 at K = 0). An
     n-gram lookup's cost is in neither: it runs before the policy decides, whatever it picks.
-    Calibrated at start (``from_calibration``), then each live round refreshes the cells it
-    ran (``observe``): costs move with the context length, the load and the rule."""
+    Calibrated at start (``from_calibration``), then each live round moves its batch size's
+    row (``observe``, ``follow``): costs move with the context length, the load and the rule."""
 
     verify: list[list[float]]
     draft: list[list[float]]
-    refresh: float = 0.1  # a live round's weight in its cell (an exponential average)
+    refresh: float = 0.1  # a live round's weight in its row (an exponential average)
     revision: int = 0  # bumped by every change: the metrics resend only what moved
     # planned rounds at each batch size since its plain step (K = 0) was last timed: the
     # baseline every plan is weighed against, which a policy that keeps drafting would never
