@@ -126,7 +126,8 @@ class RoundPlan:
 
 def plan_round(verify: list[float], draft: list[float], alpha_model: float,
                alpha_lookup: float, model_caps: list[int], model_pinned: list[bool],
-               lookup_found: list[int], lookup_pinned: list[bool]) -> RoundPlan:
+               lookup_found: list[int], lookup_pinned: list[bool], trust_model: float = 1.0,
+               trust_lookup: float = 1.0) -> RoundPlan:
     """SmartSpec's goodput, per drafter: the draft model's K and the lookup's cap with the
     most expected tokens per second for this round. ``verify`` / ``draft``: ``RoundCosts``'
     row for this batch size. Model rows: each drafts min(its cap, K) (a pinned row, whose
@@ -135,7 +136,9 @@ def plan_round(verify: list[float], draft: list[float], alpha_model: float,
     gains ``analytic_length(α_lookup, ·)``. The round costs the draft model's K (when any
     model row drafts) and a verify pass as wide as the widest row. (0, 0) is a plain step,
     and a plan that drafts must beat it by ``DRAFT_MARGIN``; among those, ties go to the
-    smaller K. Host arithmetic over K only: rows are counted by their cap."""
+    smaller K. A plan's tokens per second are weighed by the trust (``AcceptanceMonitor.
+    trust``: realized over expected in its past rounds) of the least trusted drafter it
+    drafts with. Host arithmetic over K only: rows are counted by their cap."""
     def gains(alpha: float, caps: list[int], pinned: list[bool], top: int
               ) -> tuple[list[float], int]:
         """Expected tokens of these rows for each K in 0..top, and the width the pinned
@@ -165,11 +168,12 @@ def plan_round(verify: list[float], draft: list[float], alpha_model: float,
             seconds = verify[width] + (draft[model_width] if model_width else 0.0)
             tokens = model_tokens[k_model] + lookup_tokens[k_lookup]
             plan = RoundPlan(k_model, k_lookup, rows, tokens, seconds, verify[0])
+            trusts = [t for t, k in ((trust_model, k_model), (trust_lookup, k_lookup)) if k]
+            rate = tokens / seconds * min(trusts, default=1.0)
             if best is None:  # (0, 0) first, or the width the pinned rows force
-                best = plain = plan
-            elif tokens / seconds > best.expected_tokens / best.seconds * (1 + 1e-9) and (
-                    tokens / seconds > plain.expected_tokens / plain.seconds * DRAFT_MARGIN):
-                best = plan
+                best, best_rate, plain_rate = plan, rate, rate
+            elif rate > best_rate * (1 + 1e-9) and rate > plain_rate * DRAFT_MARGIN:
+                best, best_rate = plan, rate
     return best
 
 

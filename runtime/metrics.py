@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 log = logging.getLogger("paradraft")
+TRUST_MAX = 1.25  # AcceptanceMonitor.trust's cap
 
 
 @dataclass
@@ -28,6 +29,11 @@ class AcceptanceMonitor:
     reached: float = 0.0  # draft positions reached: accepted + rejections
     alerting: bool = False
     alerts: int = 0
+    # the goodput policy's realized over expected speed-up in the planned rounds this drafter
+    # drafted in (an exponential average; 1 until it has drafted): what the policy's model
+    # of a round (α, the calibrated costs) misses, such as the draft cache's catch-up after
+    # plain rounds, it learns here and discounts the drafter's plans by
+    trust: float = 1.0
 
     @property
     def alpha(self) -> float:
@@ -41,6 +47,13 @@ class AcceptanceMonitor:
         self.drafted *= factor
         self.accepted *= factor
         self.reached *= factor
+        self.trust = 1.0 + (self.trust - 1.0) * factor
+
+    def judge(self, realized_over_expected: float, weight: float = 0.1) -> None:
+        """A planned round this drafter drafted in made ``realized_over_expected`` of the
+        speed-up the policy expected of it (capped at ``TRUST_MAX``: one lucky round must
+        not make a drafter look better than its model says)."""
+        self.trust += weight * (min(realized_over_expected, TRUST_MAX) - self.trust)
 
     def update(self, drafted: int, accepted: int, reached: int | None = None) -> None:
         if not drafted:

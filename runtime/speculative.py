@@ -264,8 +264,15 @@ class SpeculativeDecoder:
         if self.costs is not None:
             self.costs.observe(len(slots), k_draft, width, draft_seconds, t3 - t1)
         if plan is not None:
+            tokens = sum(len(t) for t in out[0])
             self.rounds.add(plan.rows, plan.plain_seconds, plan.expected_tokens, plan.seconds,
-                            sum(len(t) for t in out[0]), t3 - t0)
+                            tokens, t3 - t0)
+            # what the plan expected of its drafters against what they made: each drafter
+            # that drafted learns the policy's error on its rounds
+            realized = tokens / (t3 - t0) * plan.plain_seconds / plan.rows
+            for name, k_used in (("model", plan.k_model), ("ngram", plan.k_lookup)):
+                if k_used:
+                    self.monitors[name].judge(realized / plan.expected_speedup)
         self.rounds.by_width[width] += 1
         for s in slots:
             times = self.slot_times[s]
@@ -409,7 +416,8 @@ class SpeculativeDecoder:
                               self.monitors["model"].alpha, self.monitors["ngram"].alpha,
                               caps, [pinned[i] for i in model_rows],
                               [found_host[i] for i in lookup_rows],
-                              [pinned[i] for i in lookup_rows])
+                              [pinned[i] for i in lookup_rows],
+                              self.monitors["model"].trust, self.monitors["ngram"].trust)
             k_model, k_lookup = plan.k_model, plan.k_lookup
             if (k_model or k_lookup) and self.costs.plain_is_stale(B) and not any(pinned):
                 # re-time the baseline: a plain step now and then

@@ -181,3 +181,48 @@ def test_analytic_acceptance_length():
     assert analytic_length(0.0, 4) == 1.0
     assert analytic_length(1.0, 4) == 5.0
     assert analytic_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_drafter_whose_rounds_fall_short_of_the_plan_loses_the_policys_trust(verifier,
+                                                                                  draft):
+    """The policy's model of a round can be wrong in ways α and the costs do not show (the
+    draft cache's catch-up after plain rounds): each drafter learns realized over expected
+    on the rounds it drafted in, and its plans are discounted by it. Planted costs far below
+    the real ones make every drafting round fall short: the model soon sits out, while its α
+    alone would still have it draft; the n-gram lookup's trust is untouched."""
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), RuleParams("greedy"), k=4,
+                             max_batch_size=4, draft_len_schedule="auto")
+    dec.costs = costs([[0.01, 0.0105, 0.011, 0.0115, 0.012]] * 2,
+                      [[0.0, 0.001, 0.002, 0.003, 0.004]] * 2)
+    dec.costs.refresh = 0.0  # keep the planted costs: only the trust can learn
+    dec.monitor.update(drafted=4000, accepted=3800, reached=4000)  # α = 0.95
+    dec.generate([[4, 8, 15], [16, 23, 42], [4, 8, 16], [1, 2]], 100)
+    model = dec.monitors["model"]
+    assert model.trust < 0.5 and dec.monitors["ngram"].trust == 1.0
+    drafted_rounds = sum(dec.rounds.by_width[1:])
+    assert 0 < drafted_rounds < sum(dec.rounds.by_width) / 2
+    size = 3  # batch 4
+    assert plan_round(dec.costs.verify[size], dec.costs.draft[size], model.alpha, 0.5,
+                      [4] * 4, [False] * 4, [], []).k_model > 0  # α alone: it would draft
+    assert plan_round(dec.costs.verify[size], dec.costs.draft[size], model.alpha, 0.5,
+                      [4] * 4, [False] * 4, [], [], trust_model=model.trust).k_model == 0
+
+
+def test_trust_follows_the_rounds_and_fades_back_when_the_drafter_sits_out():
+    from paradraft.runtime.metrics import TRUST_MAX, AcceptanceMonitor
+
+    m = AcceptanceMonitor()
+    m.judge(0.5)
+    assert m.trust == pytest.approx(0.95)
+    m.judge(9.0)  # one lucky round counts as TRUST_MAX at most
+    assert m.trust == pytest.approx(0.95 + 0.1 * (TRUST_MAX - 0.95))
+    m.trust = 0.4
+    for _ in range(300):
+        m.relax(0.99)
+    assert m.trust == pytest.approx(1.0, abs=0.04)
+    # a plan is weighed by the trust of the drafters it uses, only those
+    assert plan(1, 0.8).k_model == 4
+    assert plan_round(COSTS.verify[0], COSTS.draft[0], 0.8, 0.8, [4], [False], [], [],
+                      trust_model=0.5).k_model == 0
+    assert plan_round(COSTS.verify[0], COSTS.draft[0], 0.8, 0.8, [4], [False], [], [],
+                      trust_lookup=0.5).k_model == 4
