@@ -176,11 +176,9 @@ class Scheduler:
             admitted = self._admit()
             if self.stopping:
                 # a stop may land between the admission and this check: the requests just
-                # admitted have a slot but are not running yet, and end here too (else their
-                # clients never get a final response, and Triton waits for it to unload)
-                for slot, req in admitted:
-                    self._free_slot(slot)
-                    tell_done(req, None, ShuttingDown("server shutting down"))
+                # admitted end here too (else their clients never get a final response, and
+                # Triton waits for it to unload)
+                self._end_unstarted(admitted, ShuttingDown("server shutting down"))
                 self._fail_all(ShuttingDown("server shutting down"))
                 return
             try:
@@ -231,13 +229,8 @@ class Scheduler:
                     self.running[slot] = req
                 started.update(slots)
                 self._deliver(slots, new, alive)
-        except Exception as e:
-            # admitted requests that never started: free their slots and tell them; the
-            # running ones fail in the caller
-            for slot, req in admitted:
-                if slot not in started:
-                    self._free_slot(slot)
-                    tell_done(req, None, e)
+        except Exception as e:  # the running ones fail in the caller
+            self._end_unstarted([(s, r) for s, r in admitted if s not in started], e)
             raise
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
@@ -270,6 +263,13 @@ class Scheduler:
             if req.is_cancelled():
                 self._release(slot)
                 tell_done(req, None, None)
+
+    def _end_unstarted(self, admitted: list[tuple[int, Request]], error: BaseException) -> None:
+        """Admitted requests that never started (a slot each, not running): free their
+        slots and tell them."""
+        for slot, req in admitted:
+            self._free_slot(slot)
+            tell_done(req, None, error)
 
     def _release(self, slot: int) -> None:
         if slot in self.running:
