@@ -35,6 +35,15 @@ MODELS = (MODEL,)
 STOP_WAIT_S = 10.0
 # tritonserver's log line, once a second while it waits to exit
 EXIT_COUNTDOWN = re.compile(r'"Timeout \d+: Found \d+ ')
+# once every request has had its final response, tritonserver only unloads the model (its
+# finalize() starts within about a second). Triton 2.51 can hold a model for good after some
+# client-cancelled streams: it never calls finalize(), waits out its 30 s exit timeout and
+# exits 1. Past this wait with finalize() not begun, stop() ends tritonserver itself.
+UNLOAD_WAIT_S = 10.0
+# tritonserver's log line once it has stopped taking requests and unloads the models; the
+# model's own line once its finalize() begins
+UNLOAD_BEGUN = '"All models are stopped, unloading models"'
+FINALIZE_BEGUN = re.compile(r"paradraft: \S+ unloading")
 
 
 def site_packages() -> str:
@@ -164,6 +173,7 @@ class Server:
     log: Path
     instances: int = 1  # model instances, each reporting to the control dir
     ready: bool = False  # the models loaded: their instances follow the control dir
+    held_by_triton: bool = False  # stop() ended a tritonserver that held the model (see there)
 
     @property
     def grpc_url(self) -> str:
@@ -197,19 +207,50 @@ class Server:
         return True
 
     def stop(self, timeout: float = 30) -> int:
+        """End every request (as UNAVAILABLE), then tritonserver; its exit code. Sets
+        ``held_by_triton`` and returns 0 when every request had ended but tritonserver held
+        the model past ``UNLOAD_WAIT_S`` without unloading it (see there): nothing was left to
+        lose, so the process group is killed instead of waiting out Triton's exit timeout."""
         if self.process.poll() is None:
             try:
                 # the instances end what still runs first: told to exit with a decoupled
                 # stream in flight, tritonserver 2.51 crashed (SIGSEGV) instead of draining
-                self.tell_instances("stop", min(timeout, STOP_WAIT_S))
+                ended = self.tell_instances("stop", min(timeout, STOP_WAIT_S))
                 self.process.send_signal(signal.SIGINT)  # tritonserver unloads and exits
-                self.process.wait(timeout)
+                began = time.monotonic()
+                if ended and self.wait_or_held(min(timeout, UNLOAD_WAIT_S)):
+                    self.held_by_triton = True
+                    print(f"paradraft: warning: tritonserver held the model {UNLOAD_WAIT_S:g} s "
+                          "after every request had ended, without unloading it (Triton 2.51 "
+                          "keeps a reference after some cancelled streams); ended it. Log: "
+                          f"{self.log}", file=sys.stderr, flush=True)
+                    self.kill_group()
+                    return 0
+                self.process.wait(max(0.0, timeout - (time.monotonic() - began)))
             except BaseException as e:  # slow, or a second Ctrl-C / SIGTERM: never leave it up
                 if isinstance(e, subprocess.TimeoutExpired):
                     self.log_stub_stacks()
-                self.process.kill()
-                self.process.wait()
+                self.kill_group()
         return self.process.returncode
+
+    def wait_or_held(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for tritonserver to exit; True if it is still up then,
+        unloading the models, and the model's finalize() has not begun."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(seconds)
+            return False
+        log = self.log.read_text(errors="replace")
+        unloading = log.rfind(UNLOAD_BEGUN)
+        return unloading >= 0 and not FINALIZE_BEGUN.search(log, unloading)
+
+    def kill_group(self) -> None:
+        """SIGKILL tritonserver and the model's stub processes (its process group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except OSError:  # not a group leader (started elsewhere), or gone already
+            with contextlib.suppress(OSError):
+                self.process.kill()
+        self.process.wait()
 
     def log_stub_stacks(self, wait: float = 1.0) -> None:
         """Have each model instance's stub process print its threads' stacks to the log
