@@ -19,6 +19,7 @@ from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.metrics import GenerationResult, SpecStats
 from paradraft.runtime.tools import humaneval, task_eval
 from paradraft.runtime.tools.code_exec import run_program
+from paradraft.runtime.tools.evaluate import tune_grid
 from paradraft.runtime.tools.task_eval import (
     AnswerLog,
     EvalRow,
@@ -26,6 +27,7 @@ from paradraft.runtime.tools.task_eval import (
     fastest_within_budget,
     parse_row,
     pass_at_k,
+    row_spec,
     select_within,
     summarize,
     with_references,
@@ -371,6 +373,29 @@ def test_eval_humaneval_refuses_bad_settings_naming_them(args, message, capsys, 
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("command, args, refused", [
+    ("eval", ["--row", "rule=greedy"], "--row"),
+    ("eval", ["--problems", "3", "--select-within", "2"], "--problems, --select-within"),
+    ("tune", ["--samples", "2"], "--samples"),
+    ("tune", ["--engines", "x"], "--engines"),
+])
+def test_humaneval_options_without_the_task_are_refused_naming_them(command, args, refused,
+                                                                    capsys, tmp_path):
+    from paradraft.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--out", str(tmp_path), *args])
+    assert exit_info.value.code == 2
+    assert refused in capsys.readouterr().err
+
+
+def test_row_spec_reads_back_as_the_same_row():
+    for rule in ("dynamic", "threshold", "ratio", "typical"):
+        for settings in tune_grid(rule):
+            row = parse_row(row_spec(rule, settings), 1.0, 1.0, 4)
+            assert row.params == RuleParams(rule, **{"top_p": 1.0, **settings})
+
+
 # -- the command, with SmolLM2 ---------------------------------------------------------------
 
 
@@ -427,3 +452,27 @@ def test_eval_humaneval_with_smollm2_writes_consistent_json_and_resumes(smol, tm
     assert (second["decoded"], second["reused"]) == (0, 9)
     assert second["rows"] == first["rows"]
     assert len(Path(first["answers_log"]).read_text().splitlines()) == 1 + 9
+
+
+def test_tune_humaneval_picks_the_fastest_grid_setting_within_the_budget(smol, tmp_path):
+    """`tune --task humaneval`: --rule's grid, each temperature's lossless reference, and per
+    reference the fastest setting whose pass@1 is within 2 points (the default budget)."""
+    from paradraft.cli.main import main
+
+    main(["tune", "--task", "humaneval", "--rule", "ratio", "--verifier", str(smol),
+          "--drafters", "ngram", "--problems", "1", "--max-new-tokens", "8", "--no-progress",
+          "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "tune_humaneval.json").read_text())
+    rows = {r["id"]: r for r in result["rows"]}
+    grid = tune_grid("ratio")
+    assert len(rows) == len(grid) + 2
+    references = {r["reference"] for r in rows.values()}
+    assert references == {"exact T=0.8 top_p=1 k=4", "exact T=1 top_p=1 k=4"}
+    assert sorted(p["reference"] for p in result["selection"]) == sorted(references)
+    for pick in result["selection"]:
+        ref, best = rows[pick["reference"]], rows[pick["pick"]]
+        assert pick["budget_points"] == 2.0
+        within = [r for r in rows.values()
+                  if r["reference"] == ref["id"] and r["pass_at_1"] >= ref["pass_at_1"] - 0.02]
+        assert best in within
+        assert best["tokens_per_second"] == max(r["tokens_per_second"] for r in within)

@@ -40,6 +40,13 @@ from .common import (
     ngram_sizes,
 )
 
+# tune --task humaneval: how far below the lossless rule's pass@1 (percentage points) a faster
+# setting may fall
+TUNE_BUDGET_POINTS = 2.0
+# the --task humaneval options at their defaults: another task refuses them when set
+HUMANEVAL_DEFAULTS = {"row": None, "problems": "all", "samples": 1, "timeout": 10.0,
+                      "memory_mb": 1024, "no_progress": False}
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, helptext in [("eval", "perplexity / diversity per rule vs exact"),
@@ -69,18 +76,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                 "greedy agreement, top-1 agreement, KL side by side")
             e.add_argument("--reference-engines", default=None, metavar="DIR",
                            help="the fp32 engine dir --engines is measured against")
-            add_humaneval_args(e)
-        if name == "tune":
+        else:
+            e.add_argument("--engines", default=None, metavar="DIR",
+                           help="--task humaneval: answer through this engine dir")
             e.add_argument("--rule", default="dynamic",
                            choices=["dynamic", "threshold", "ratio", "typical"])
+        add_humaneval_args(e, tune=name == "tune")
         e.set_defaults(run=run_tune if name == "tune" else run)
 
 
-def add_humaneval_args(e: argparse.ArgumentParser) -> None:
+def add_humaneval_args(e: argparse.ArgumentParser, tune: bool = False) -> None:
     e.add_argument("--task", choices=("perplexity", "humaneval"), default="perplexity",
-                   help="perplexity: perplexity / diversity per rule on held-out text; "
-                        "humaneval: pass@1, acceptance and speed per rule on HumanEval (with "
-                        "--verifier or --engines: a chat model; --engines runs that engine dir)")
+                   help=("perplexity: pick --rule's parameters by perplexity / diversity on "
+                         "held-out text; humaneval: by pass@1 on HumanEval, the fastest "
+                         "setting within --select-within points of the lossless rule"
+                         if tune else
+                         "perplexity: perplexity / diversity per rule on held-out text; "
+                         "humaneval: pass@1, acceptance and speed per rule on HumanEval (with "
+                         "--verifier or --engines: a chat model; --engines runs that engine "
+                         "dir)"))
     # eval's own defaults (64 tokens, the model drafter) are set in run(), per task
     e.set_defaults(max_new_tokens=None, drafters=None)
     g = e.add_argument_group("--task humaneval")
@@ -91,7 +105,7 @@ def add_humaneval_args(e: argparse.ArgumentParser) -> None:
                         "Repeat for several rows. Unset: --temperature, --top-p, --k, the "
                         "engine dir's calibrated rule defaults, the fixed ones. The lossless "
                         "reference of each temperature (greedy; exact at T > 0) is added. "
-                        "Default: rule=greedy")
+                        "Default: " + ("--rule's tune grid" if tune else "rule=greedy"))
     g.add_argument("--problems", default="all", metavar="N|all",
                    help="the first N HumanEval problems, or all 164 (default)")
     g.add_argument("--samples", type=int, default=1,
@@ -101,16 +115,26 @@ def add_humaneval_args(e: argparse.ArgumentParser) -> None:
                    help="wall time a problem's tests may run (default 10)")
     g.add_argument("--memory-mb", type=int, default=1024,
                    help="address-space limit of the tests' process (default 1024)")
-    g.add_argument("--select-within", type=float, default=None, metavar="POINTS",
+    g.add_argument("--select-within", type=float,
+                   default=TUNE_BUDGET_POINTS if tune else None, metavar="POINTS",
                    help="pick, per lossless reference, the fastest row whose pass@1 is at "
-                        "most POINTS percentage points below it")
+                        "most POINTS percentage points below it" +
+                        (f" (default {TUNE_BUDGET_POINTS:g})" if tune else ""))
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_draft_threads_arg(g)
 
 
 def run(args: argparse.Namespace, tune: bool = False) -> None:
     if getattr(args, "task", None) == "humaneval":
-        return run_humaneval(args)
+        return run_humaneval(args, tune)
+    defaults = {**HUMANEVAL_DEFAULTS, "select_within": TUNE_BUDGET_POINTS if tune else None}
+    given = [name for name, default in defaults.items() if getattr(args, name) != default]
+    if given:
+        raise ValueError(", ".join("--" + n.replace("_", "-") for n in given) +
+                         " apply to --task humaneval only")
+    if tune and args.engines:
+        raise ValueError("--engines: tune answers through an engine dir with --task humaneval "
+                         "only")
     if args.max_new_tokens is None:
         args.max_new_tokens = 64
     if args.batch_size is None:
@@ -247,16 +271,22 @@ def run_tune(args: argparse.Namespace) -> None:
     run(args, tune=True)
 
 
-def humaneval_out(out: str) -> Path:
-    """``--out``: a .json file as it is, or a dir that gets eval_humaneval.json."""
+def humaneval_out(out: str, tune: bool = False) -> Path:
+    """``--out``: a .json file as it is, or a dir that gets eval_humaneval.json (tune:
+    tune_humaneval.json)."""
     path = Path(out)
-    return path if path.suffix == ".json" else path / "eval_humaneval.json"
+    name = "tune_humaneval.json" if tune else "eval_humaneval.json"
+    return path if path.suffix == ".json" else path / name
 
 
-def run_humaneval(args: argparse.Namespace) -> None:
+def run_humaneval(args: argparse.Namespace, tune: bool = False) -> None:
     """`eval --task humaneval`: every --row (and its lossless reference) answers the problems;
-    their pass@1, acceptance and speed, written as JSON with a frontier plot."""
-    if args.reference_engines:
+    their pass@1, acceptance and speed, written as JSON with a frontier plot. `tune --task
+    humaneval`: the rows are --rule's tune grid, and the pick is the fastest setting within
+    --select-within points of pass@1 of the lossless rule at its temperature."""
+    if tune and not args.row:
+        args.row = [task_eval.row_spec(args.rule, settings) for settings in tune_grid(args.rule)]
+    if getattr(args, "reference_engines", None):
         raise ValueError("--reference-engines is the weights comparison of --task perplexity")
     if args.verifier is None and not args.engines:
         raise ValueError("--task humaneval answers through a chat template: pass --verifier "
@@ -310,7 +340,7 @@ def run_humaneval(args: argparse.Namespace) -> None:
                             max(r.k for r in rows))
     eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids,
                                *chat_stop_token_ids(model_dir))))
-    out = humaneval_out(args.out)
+    out = humaneval_out(args.out, tune)
     draft_checkpoint = None if args.engines else {
         "model": args.draft, "parallel": args.parallel_draft}.get(name)
     if draft_checkpoint:
@@ -347,6 +377,9 @@ def run_humaneval(args: argparse.Namespace) -> None:
                   f"{p['pick']} (pass@1 {p['pass_at_1']:.1%} vs {p['reference_pass_at_1']:.1%},"
                   f" speed-up {p['speedup']:.2f}x)")
         result["selection"] = picks
+        if tune:
+            print("best within budget: " + "; ".join(
+                f"{p['pick']} (against {p['reference']})" for p in picks))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     skipped = task_eval.frontier_plot(results, out.with_suffix(".png"))

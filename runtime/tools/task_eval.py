@@ -83,6 +83,14 @@ class RowSpec:
         return " ".join([*parts, f"k={self.k}"])
 
 
+def row_spec(rule: str, settings: dict) -> str:
+    """The ``--row`` text of ``rule`` at ``settings`` (RuleParams field names), e.g.
+    ``row_spec("threshold", {"tau": 0.3, "temperature": 0.8})`` →
+    ``"rule=threshold,tau=0.3,temperature=0.8"``; ``parse_row`` reads it back."""
+    return ",".join([f"rule={rule}", *(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in settings.items())])
+
+
 def parse_row(text: str, temperature: float, top_p: float, k: int,
               defaults: dict[str, dict[str, float]] | None = None) -> RowSpec:
     """A row from ``"rule=threshold,tau=0.3,T=0.8"``: comma-separated key=value pairs with
