@@ -89,7 +89,7 @@ test-real-pair: $(LLAMACPP_STAMP) qwen
 test: $(STAMP) $(TRITON) $(SMOLLM2_GGUF) imports
 	$(BIN)/ruff check .
 	# pytest exit code 5 = no tests collected: say so and fail, never pass silently
-	PARADRAFT_REQUIRE_REAL=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 \
+	PARADRAFT_REQUIRE_REAL=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
 	  -m "not real_pair" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -21,6 +21,17 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 61
 
+# The files that take longest (most of a minute or more under `make test`), longest first.
+# `make test` runs with --dist loadfile --no-loadscope-reorder, so the two workers take files
+# in this order: the longest started last had one worker running it alone for minutes.
+LONGEST_FIRST = ("test_real_model.py", "test_triton.py", "test_lossless.py", "test_openai.py",
+                 "test_onnx.py", "test_evaluate.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as found
+
 
 def have_tritonserver() -> bool:
     """A tritonserver binary is found (``make serve-deps`` unpacks one)."""
