@@ -377,9 +377,6 @@ def run_humaneval(args: argparse.Namespace, tune: bool = False) -> None:
                   f"{p['pick']} (pass@1 {p['pass_at_1']:.1%} vs {p['reference_pass_at_1']:.1%},"
                   f" speed-up {p['speedup']:.2f}x)")
         result["selection"] = picks
-        if tune:
-            print("best within budget: " + "; ".join(
-                f"{p['pick']} (against {p['reference']})" for p in picks))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     skipped = task_eval.frontier_plot(results, out.with_suffix(".png"))

@@ -217,10 +217,10 @@ class Server:
                 # stream in flight, tritonserver 2.51 crashed (SIGSEGV) instead of draining
                 ended = self.tell_instances("stop", min(timeout, STOP_WAIT_S))
                 self.process.send_signal(signal.SIGINT)  # tritonserver unloads and exits
-                began = time.monotonic()
-                if ended and self.wait_or_held(min(timeout, UNLOAD_WAIT_S)):
+                began, unload_wait = time.monotonic(), min(timeout, UNLOAD_WAIT_S)
+                if ended and self.wait_or_held(unload_wait):
                     self.held_by_triton = True
-                    print(f"paradraft: warning: tritonserver held the model {UNLOAD_WAIT_S:g} s "
+                    print(f"paradraft: warning: tritonserver held the model {unload_wait:g} s "
                           "after every request had ended, without unloading it (Triton 2.51 "
                           "keeps a reference after some cancelled streams); ended it. Log: "
                           f"{self.log}", file=sys.stderr, flush=True)
