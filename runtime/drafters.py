@@ -74,11 +74,16 @@ class ModelDrafter:
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
                 rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
-                k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
+                k_max: int, missed: int = 0, valid: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         # re-feed the token before the newest (missing from the cache after a fully accepted
-        # block) and one more per round the cache skipped (``missed`` undrafted rounds)
+        # block) and, for the widest row, ``missed`` more: a row whose cache holds fewer
+        # positions (``valid``: a lazy prefill, undrafted rounds) catches up in this call, the
+        # others repeat their first position (the same token at the same place)
         window = 2 + missed
-        pos = (lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)).clamp(min=0)
+        pos = lengths[:, None] + torch.arange(1 - window, 1, device=lengths.device)
+        floor = 0 if valid is None else torch.minimum(valid, lengths - 1)[:, None]
+        pos = torch.maximum(pos, torch.as_tensor(floor, device=lengths.device))
         return autoregressive_drafts(self.model, tokens.gather(1, pos), pos, lengths, k, cache,
                                      kv_len, rows, sampling, streams, None)
 
@@ -103,12 +108,18 @@ class ParallelDrafter:
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
                 rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
-                k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
+                k_max: int, missed: int = 0, valid: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         # re-feed the last K_max+1 real tokens (the cache may lack up to that many after a
-        # fully accepted block), then K−1 masks; outputs at offsets 0..k−1 are the drafts
+        # fully accepted block), then K−1 masks; outputs at offsets 0..k−1 are the drafts.
+        # A row whose cache holds fewer (``valid``) catches up from there (``missed``: the
+        # widest row's extra positions)
         back = k_max + missed
         offsets = torch.arange(-back, k, device=lengths.device)
-        pos = (lengths[:, None] + offsets).clamp(min=0)
+        floor = 0 if valid is None else (torch.minimum(valid, lengths - k_max).clamp(min=0)
+                                         [:, None])
+        pos = torch.maximum(lengths[:, None] + offsets,
+                            torch.as_tensor(floor, device=lengths.device))
         inputs = torch.where(offsets <= 0, tokens.gather(1, pos), self.mask_token_id)
         out_idx = (back + torch.arange(k, device=lengths.device)).expand(lengths.shape[0], -1)
         logits, _ = self.model(inputs, pos, cache, kv_len=kv_len, rows=rows,
@@ -134,7 +145,8 @@ class SelfDrafter:
 
     def propose(self, tokens: Tensor, lengths: Tensor, k: int, cache: KVCache, kv_len: int,
                 rows: Tensor | None, sampling: RuleParams | None, streams: RowStreams | None,
-                k_max: int, missed: int = 0) -> tuple[Tensor, Tensor | None]:
+                k_max: int, missed: int = 0, valid: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         # the verify pass already wrote these layers' K/V: feed only the newest token
         pos = lengths[:, None]
         return autoregressive_drafts(self.model, tokens.gather(1, pos), pos, lengths, k, cache,

@@ -126,6 +126,7 @@ class SpecStats:
     verify_time: float = 0.0
     correct_time: float = 0.0
     total_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,6 +157,7 @@ class SpecStats:
             "generated_tokens": self.generated_tokens,
             "rollbacks": self.rollbacks,
             "causal_leaks": self.causal_leaks,
+            "cached_tokens": self.cached_tokens,
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_second": self.tokens_per_second,
             "time_s": {"draft": self.draft_time, "verify": self.verify_time,
@@ -185,7 +187,7 @@ def aggregate(rows: list[SpecStats]) -> SpecStats:
     )
     for r in rows:
         for name in ("num_drafts", "verify_steps", "draft_tokens", "accepted_tokens",
-                     "generated_tokens", "rollbacks", "causal_leaks"):
+                     "generated_tokens", "rollbacks", "causal_leaks", "cached_tokens"):
             setattr(total, name, getattr(total, name) + getattr(r, name))
         total.accepted_per_position = [
             a + b for a, b in zip(total.accepted_per_position, r.accepted_per_position,

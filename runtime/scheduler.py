@@ -15,6 +15,17 @@ request samples from its own counter-based stream (its seed and its tokens so fa
 output never depends on what runs beside it. K (``num_draft_tokens``) is per request; 0
 turns drafting off for that request alone. So is the drafter, where the decoder has an
 n-gram lookup beside a draft model (``lookup_drafts``).
+
+Prefix caching: a finished request leaves its K/V in its slot, and the decoder keeps its
+tokens. A new request takes the free slot whose cache holds the longest prefix of its prompt
+(a system prompt, the earlier turns of a chat, a retry) and only the rest of its prompt is
+fed; with no such slot, the least recently used one. The decoder may have more cache slots
+than requests run at once (``max_running``): the others only keep prefixes.
+
+Chunked prefill: while requests run, an admitted prompt is fed at most ``prefill_chunk``
+tokens a round (over all prompts), beside the running requests' round, so a long prompt
+never stalls the other streams for more than a chunk. With nothing running, whole prompts
+go in at once.
 """
 
 from __future__ import annotations
@@ -89,15 +100,34 @@ def stop_cut(recent: list[int], new: list[int], stop_sequences: list[list[int]])
     return None
 
 
+@dataclass
+class Prefilling:
+    """An admitted request whose prompt is partly in its slot's cache (``done`` tokens)."""
+
+    request: Request
+    done: int
+    cached: int  # of ``done``, the tokens a earlier request left in the slot
+
+
 class Scheduler:
-    def __init__(self, decoder: SpeculativeDecoder, max_queue: int = 64):
+    def __init__(self, decoder: SpeculativeDecoder, max_queue: int = 64,
+                 prefill_chunk: int | None = None, prefix_cache: bool = True):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0; got {max_queue}")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None (whole prompts); "
+                             f"got {prefill_chunk!r}")
         self.decoder = decoder
         self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
+        self.max_running = decoder.max_running  # requests in slots; the rest keep prefixes
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
+        self.prefilling: dict[int, Prefilling] = {}  # slot -> admitted, prompt partly in
         self.free = list(range(decoder.max_batch_size))
+        self.last_used = [0.0] * decoder.max_batch_size  # when each slot was freed (LRU)
         self.lock = threading.Condition()
         self.stopping = False
         self.last_cancel_check = 0.0
@@ -125,13 +155,13 @@ class Scheduler:
         with self.lock:
             if self.stopping:
                 raise ShuttingDown("scheduler is shutting down")
-            if len(self.queue) >= self.max_queue + len(self.free):
+            if len(self.queue) >= self.max_queue + self._room():
                 # requests cancelled while they waited give their places up now, not only
                 # when a slot frees: clients that gave up must not keep others out
                 dropped = [req for req in self.queue if req.is_cancelled()]
                 for req in dropped:
                     self.queue.remove(req)
-            waiting, free_slots = len(self.queue), len(self.free)
+            waiting, free_slots = len(self.queue), self._room()
             limit = self.max_queue + free_slots
             if waiting < limit:
                 self.queue.append(request)
@@ -142,10 +172,14 @@ class Scheduler:
             raise QueueFull(f"queue full ({waiting} waiting: max_queue {self.max_queue} + "
                             f"{free_slots} free slots); retry later")
 
+    def _room(self) -> int:
+        """Requests that may start now (under the lock)."""
+        return self.max_running - len(self.running) - len(self.prefilling)
+
     def stats(self) -> dict:
         with self.lock:
-            return {"active": len(self.running), "queued": len(self.queue),
-                    "free_slots": len(self.free)}
+            return {"active": len(self.running) + len(self.prefilling),
+                    "queued": len(self.queue), "free_slots": self._room()}
 
     def stop(self, timeout: float = 30) -> None:
         with self.lock:
@@ -156,34 +190,46 @@ class Scheduler:
     # -- the scheduler thread -----------------------------------------------------------
 
     def _admit(self) -> list[tuple[int, Request]]:
-        """Take queued requests into free slots, in arrival order."""
+        """Take queued requests into free slots, in arrival order: each into the slot that
+        holds the longest prefix of its prompt, else the least recently used one."""
         admitted, dropped = [], []
         with self.lock:
-            while not self.queue and not self.running and not self.stopping:
+            while (not self.queue and not self.running and not self.prefilling
+                   and not self.stopping):
                 self.lock.wait()
-            while self.queue and self.free:
+            while self.queue and self._room() > 0:
                 head = self.queue.popleft()
                 if head.is_cancelled():  # stopped while it waited: it never starts
                     dropped.append(head)
                     continue
-                admitted.append((self.free.pop(0), head))
+                slot, cached = self._pick_slot(head.prompt)
+                self.free.remove(slot)
+                self.prefilling[slot] = Prefilling(head, cached, cached)
+                admitted.append((slot, head))
         for req in dropped:  # outside the lock: the callback talks to the client
             tell_done(req, None, None)
         return admitted
 
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """(slot, prompt tokens its cache holds)."""
+        if not self.prefix_cache:
+            return self.free[0], 0
+        held = {s: self.decoder.cached_prefix(s, prompt) for s in self.free}
+        slot = max(self.free, key=lambda s: (held[s], -self.last_used[s]))
+        return slot, held[slot]
+
     def _loop(self) -> None:
         while True:
-            admitted = self._admit()
+            self._admit()
             if self.stopping:
                 # a stop may land between the admission and this check: the requests just
                 # admitted end here too (else their clients never get a final response, and
                 # Triton waits for it to unload)
-                self._end_unstarted(admitted, ShuttingDown("server shutting down"))
                 self._fail_all(ShuttingDown("server shutting down"))
                 return
             try:
-                if admitted:
-                    self._prefill(admitted)
+                if self.prefilling:
+                    self._prefill_chunk()
                 self._drop_cancelled()
                 groups = self._groups(self.running.items())
                 # with several groups a fixed schedule and disable_by_batch_size see
@@ -213,25 +259,47 @@ class Scheduler:
         self.decoder.params = params
         self.decoder.draft_sampling = params.rule == "exact"
 
-    def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
-        by_slot = dict(admitted)
-        started: set[int] = set()
-        try:
-            for params, slots in self._groups(admitted):
-                reqs = [by_slot[s] for s in slots]
-                self._use(params)
-                new, alive = self.decoder.prefill(
-                    slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
-                    [r.eos_token_id for r in reqs], [r.seed for r in reqs],
-                    [r.num_draft_tokens for r in reqs],  # None: the decoder's K, planned
-                    [r.lookup_drafts for r in reqs])
-                for slot, req in zip(slots, reqs, strict=True):
-                    self.running[slot] = req
-                started.update(slots)
-                self._deliver(slots, new, alive)
-        except Exception as e:  # the running ones fail in the caller
-            self._end_unstarted([(s, r) for s, r in admitted if s not in started], e)
-            raise
+    def _prefill_chunk(self) -> None:
+        """Feed the admitted prompts, in admission order, at most ``prefill_chunk`` tokens
+        while others run (all of them when none does); those whose prompt is then complete
+        start (their first token) and join the running batch."""
+        budget = self.prefill_chunk if self.running and self.prefill_chunk else None
+        starting, partial = [], []
+        for slot, p in list(self.prefilling.items()):
+            left = len(p.request.prompt) - p.done
+            if budget is None or left <= budget:
+                starting.append(slot)
+                budget = None if budget is None else budget - left
+            elif budget > 0:
+                partial.append((slot, p.done + budget))
+                budget = 0
+        if partial:
+            slots = [s for s, _ in partial]
+            self.decoder.feed_prompt(slots, [self.prefilling[s].request.prompt for s in slots],
+                                     [self.prefilling[s].done for s in slots],
+                                     [end for _, end in partial])
+            for slot, end in partial:
+                self.prefilling[slot].done = end
+        if starting:
+            self._prefill(starting)
+
+    def _prefill(self, starting: list[int]) -> None:
+        pending = {s: self.prefilling[s] for s in starting}
+        for params, slots in self._groups((s, p.request) for s, p in pending.items()):
+            reqs = [pending[s].request for s in slots]
+            self._use(params)
+            new, alive = self.decoder.prefill(
+                slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
+                [r.eos_token_id for r in reqs], [r.seed for r in reqs],
+                [r.num_draft_tokens for r in reqs],  # None: the decoder's K, planned
+                [r.lookup_drafts for r in reqs], [pending[s].done for s in slots])
+            for slot, req in zip(slots, reqs, strict=True):
+                # the tokens a earlier request left, not the chunks this one fed
+                self.decoder.slot_cached[slot] = pending[slot].cached
+                with self.lock:
+                    del self.prefilling[slot]
+                self.running[slot] = req
+            self._deliver(slots, new, alive)
 
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
         for slot, tokens, running in zip(slots, new, alive, strict=True):
@@ -263,26 +331,25 @@ class Scheduler:
             if req.is_cancelled():
                 self._release(slot)
                 tell_done(req, None, None)
-
-    def _end_unstarted(self, admitted: list[tuple[int, Request]], error: BaseException) -> None:
-        """Admitted requests that never started (a slot each, not running): free their
-        slots and tell them."""
-        for slot, req in admitted:
-            self._free_slot(slot)
-            tell_done(req, None, error)
+        for slot, p in list(self.prefilling.items()):
+            if p.request.is_cancelled():  # its chunks so far stay cached for a retry
+                self._release(slot)
+                tell_done(p.request, None, None)
 
     def _release(self, slot: int) -> None:
-        if slot in self.running:
-            del self.running[slot]
-            self._free_slot(slot)
-
-    def _free_slot(self, slot: int) -> None:
         with self.lock:
+            if self.running.pop(slot, None) is None and self.prefilling.pop(slot, None) is None:
+                return
             self.free.append(slot)
             self.free.sort()
+            self.last_used[slot] = time.perf_counter()
 
     def _fail_all(self, error: BaseException) -> None:
-        for slot, req in list(self.running.items()):
+        ended = [(s, r) for s, r in self.running.items()] + [
+            (s, p.request) for s, p in self.prefilling.items()]
+        # a failed round may have left their caches half written
+        self.decoder.forget([s for s, _ in ended])
+        for slot, req in ended:
             self._release(slot)
             tell_done(req, None, error)
         with self.lock:

@@ -103,6 +103,7 @@ class SpeculativeDecoder:
         draft_len_schedule: dict[int, int] | str | None = None,
         fused_correction: str = "auto",
         lookup: NgramDrafter | None = None,
+        max_running: int | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -153,6 +154,12 @@ class SpeculativeDecoder:
         self.draft_sampling = self.params.rule == "exact" if draft_sampling is None else (
             draft_sampling)
         self.max_batch_size = max_batch_size
+        # the most rows one round runs (a server's slots for requests); the other cache slots
+        # only keep finished requests' prefixes for the next ones (``cached_prefix``)
+        self.max_running = max_batch_size if max_running is None else max_running
+        if not isinstance(self.max_running, int) or not 1 <= self.max_running <= max_batch_size:
+            raise ValueError(f"max_running must be an integer in [1, {max_batch_size}] (the "
+                             f"cache slots); got {max_running!r}")
         self.max_seq_len = max_seq_len
         self.margin = 2 * self.k + 2  # room for a round's draft/verify writes past the length
         dtype, device = verifier.dtype, verifier.device
@@ -259,9 +266,14 @@ class SpeculativeDecoder:
             columns.append(k_rows[:, None])
         host = torch.cat([*columns, emitted], 1).tolist()
         out = self._account(slots, host, drafted, audited=leaked_rows is not None)
+        if k_draft and self.separate_draft:  # its cache now holds all but the newest two
+            for s in slots:
+                self.draft_valid[s] = self.host_lengths[s] - 1
         t3 = time.perf_counter()
         self.last_round = (k_draft, width, draft_seconds, t3 - t1)
-        if self.costs is not None:
+        # a round whose draft pass caught a row up (its lazy prefill) is no sample of a
+        # draft's cost
+        if self.costs is not None and not self.caught_up:
             self.costs.observe(len(slots), k_draft, width, draft_seconds, t3 - t1)
         if plan is not None:
             tokens = sum(len(t) for t in out[0])
@@ -312,7 +324,9 @@ class SpeculativeDecoder:
             total[0] += d
             total[1] += n
             total[2] += n + (n < d)  # the accepted positions, and the rejected one if any
-            tokens, alive = self._stop(slot, row[skip: skip + n + 1])
+            block = row[skip: skip + n + 1]
+            self.host_tokens[slot] += block  # as the cache holds them (past a stop too)
+            tokens, alive = self._stop(slot, block)
             gained.append(tokens)
             running.append(alive)
         for name, (d, n, reached) in totals.items():
@@ -436,7 +450,7 @@ class SpeculativeDecoder:
         k_draft = max((drafted[i] for i in model_rows), default=0)
         t = time.perf_counter()
         model_drafts, q = self._draft_round(slots, tokens, lengths, k_draft, bound, streams,
-                                            cache_rows, draft_all=bool(model_rows))
+                                            cache_rows)
         draft_seconds = time.perf_counter() - t
         width = max(drafted)
         keep = torch.tensor(drafted, device=self.device)  # host → device: no sync
@@ -457,31 +471,33 @@ class SpeculativeDecoder:
 
     def _draft_round(self, slots: list[int], tokens: Tensor, lengths: Tensor, k: int,
                      bound: int, streams: RowStreams | None, cache_rows: Tensor | None,
-                     draft_all: bool = True) -> tuple[Tensor, Tensor | None]:
+                     ) -> tuple[Tensor, Tensor | None]:
         """The draft model's drafts for every row (none when ``k`` is 0: it sits the round
-        out); tracks the rounds a separate draft cache missed, so that the next drafted
-        round re-feeds their tokens."""
-        if k:
-            missed = max(self.draft_missed[s] for s in slots)
-            drafts = self._draft(tokens, lengths, k, bound, streams, cache_rows, missed)
-            for s in slots:
-                self.draft_missed[s] = 0
-            return drafts
-        if self.separate_draft and draft_all:
-            for s in slots:
-                self.draft_missed[s] += 1
-        return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
+        out). A separate draft cache holds each row's positions below ``draft_valid``: its
+        prefill is lazy (a request that never drafts with the model never pays it), and
+        undrafted rounds leave it behind; the drafted round re-feeds what it lacks, every
+        row in the same call."""
+        self.caught_up = False
+        if not k:
+            return torch.zeros(len(slots), 0, dtype=torch.long, device=self.device), None
+        valid = missed = None
+        if self.separate_draft:
+            lacking = [self.host_lengths[s] - 1 - self.draft_valid[s] for s in slots]
+            missed = max(0, max(lacking))
+            self.caught_up = missed > self.k
+            valid = torch.tensor([self.draft_valid[s] for s in slots], device=self.device)
+        return self._draft(tokens, lengths, k, bound, streams, cache_rows, missed or 0, valid)
 
     def _draft(self, tokens: Tensor, lengths: Tensor, k: int, bound: int,
-               streams: RowStreams | None,
-               rows: Tensor | None = None, missed: int = 0) -> tuple[Tensor, Tensor | None]:
-        """``missed``: rounds the draft cache skipped (undrafted rounds): re-feed as many
-        more real tokens."""
+               streams: RowStreams | None, rows: Tensor | None = None, missed: int = 0,
+               valid: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``valid``: per row, the positions its draft cache holds; ``missed``: the most
+        positions a row lacks before the usual re-fed window."""
         cache = self.cache if self.drafter.shares_verifier_cache else self.draft_cache
         # sampled drafts (with their q) only for the rules that use q
         sampling = self.params if self.draft_sampling else None
         return self.drafter.propose(tokens, lengths, k, cache, bound, rows, sampling, streams,
-                                    k_max=self.k, missed=missed)
+                                    k_max=self.k, missed=missed, valid=valid)
 
     def glue(self) -> int | None:
         """Torch threads for this decoder's own ops (None: torch's count). With engines on
@@ -501,10 +517,10 @@ class SpeculativeDecoder:
 
     def calibrate(self, passes: int = 3, rounds: int = 2) -> RoundCosts:
         """Time the round's parts (``RoundCosts``) for K = 0..k at batch sizes 1, 2, 4, …
-        up to max_batch_size on a dummy request (``k_policy.measure_round_costs``): a
+        up to max_running on a dummy request (``k_policy.measure_round_costs``): a
         lookup's rounds draft full blocks here. The per-slot state is reset after, so call
         it before serving. Sets ``costs``."""
-        sizes = calibration_batch_sizes(self.max_batch_size)
+        sizes = calibration_batch_sizes(self.max_running)
         prompt_len = max(1, min(64, self.max_seq_len // 4))
         room = self.max_seq_len - prompt_len
         vocab = self.verifier.config.vocab_size
@@ -539,7 +555,7 @@ class SpeculativeDecoder:
             self.calibrating = False
             self.reset()
             self.monitors, self.rounds = monitors, rounds_stats
-        self.costs = RoundCosts.from_calibration(sizes, verify, draft, self.max_batch_size)
+        self.costs = RoundCosts.from_calibration(sizes, verify, draft, self.max_running)
         log.info("round costs by batch size %s (rows) and K 0..%d (columns): verify %s, "
                  "draft %s", sizes, self.k, verify.tolist(), draft.tolist())
         return self.costs
@@ -575,7 +591,13 @@ class SpeculativeDecoder:
         self.accepted_hist = [[0] * (width + 1) for _ in range(S)]
         self.drafted_hist = [[0] * (width + 1) for _ in range(S)]
         self.slot_times = [[0.0] * 4 for _ in range(S)]
-        self.draft_missed = [0] * S  # undrafted rounds since the draft cache was last fed
+        # each slot's tokens (position i at index i; the newest, not yet in the cache, last)
+        # and the positions whose K/V a separate draft's cache holds: what a new request in
+        # the slot may reuse (``cached_prefix``), and what a draft pass must re-feed
+        self.host_tokens: list[list[int]] = [[] for _ in range(S)]
+        self.draft_valid = [0] * S
+        self.slot_cached = [0] * S  # prompt tokens the slot's request found in the cache
+        self.caught_up = False  # the last draft pass re-fed a lazy prefill
         self.fused_rounds = 0  # rounds verified and corrected in one engine call
         self.fused_fallback: dict[str, int] = {}  # rounds run unfused though fused is on
 
@@ -602,9 +624,14 @@ class SpeculativeDecoder:
         seeds: list[int],
         num_draft_tokens: list[int | None] | None = None,
         lookup_drafts: list[bool] | None = None,
+        cached: list[int] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
-        """Start requests in free slots: run the verifier (and a separate draft) over the
-        right-padded prompts and take the first token from the same correction code (K=0).
+        """Start requests in free slots: run the verifier over the prompts and take the
+        first token from the same correction code (K=0). A separate draft model's prefill
+        waits for the first round that drafts with it (``_draft_round``).
+        ``cached``: per request, how many leading prompt tokens the slot's cache already
+        holds (at most ``cached_prefix``: an earlier request's prefix, or ``feed_prompt``'s
+        chunks); only the rest is fed.
         ``seeds``: per request, the seed of its own random stream (``RowStreams``).
         ``eos_token_ids``: per request, an end id, a list of them (generation stops at any)
         or None. ``num_draft_tokens``: per-request K (<= the decoder's K; None: K, left to the
@@ -614,14 +641,15 @@ class SpeculativeDecoder:
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, seeds,
-                                 num_draft_tokens, lookup_drafts)
+                                 num_draft_tokens, lookup_drafts, cached)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
                  eos_token_ids: list[EosIds], seeds: list[int],
-                 num_draft_tokens: list[int | None] | None, lookup_drafts: list[bool] | None
-                 ) -> tuple[list[list[int]], list[bool]]:
+                 num_draft_tokens: list[int | None] | None, lookup_drafts: list[bool] | None,
+                 cached: list[int] | None) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
+        cached = self._check_cached(slots, prompts, cached)
         eos = []
         for ids in eos_token_ids:  # host-side, once per request
             ids = token_ids("eos_token_id", ids)
@@ -650,15 +678,14 @@ class SpeculativeDecoder:
         padded = torch.zeros(B, t_prompt, dtype=torch.long)
         for b, p in enumerate(prompts):  # host → device once per request
             padded[b, : len(p)] = torch.tensor(p)
-        padded = padded.to(dev)
-        self.tokens[rows, :t_prompt] = padded
+        self.tokens[rows, :t_prompt] = padded.to(dev)
         self.lengths[rows] = prompt_lens
         self.generated[rows] = 0
         self.seeds[rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
         self.k_rows[rows] = torch.tensor(num_draft_tokens, device=dev)
         self.lookup_rows[rows] = torch.tensor(lookup_drafts, device=dev)
         for b, s in enumerate(slots):
-            self.host_lengths[s], self.host_k[s] = len(prompts[b]), num_draft_tokens[b]
+            self.host_k[s] = num_draft_tokens[b]
             self.host_pinned[s] = pinned[b]
             self.host_lookup[s] = bool(lookup_drafts[b])
             self.host_generated[s], self.host_limit[s] = 0, max_new_tokens[b]
@@ -667,14 +694,8 @@ class SpeculativeDecoder:
             self.accepted_hist[s] = [0] * (width + 1)
             self.drafted_hist[s] = [0] * (width + 1)
             self.slot_times[s] = [0.0] * 4
-            self.draft_missed[s] = 0
-        pos = torch.arange(t_prompt, device=dev).expand(B, -1)
-        last = (prompt_lens - 1)[:, None]
-        logits, _ = self.verifier(padded, pos, self.cache, kv_len=t_prompt, rows=rows,
-                                  output_index=last)
-        if self.separate_draft:
-            self.drafter.model(padded, pos, self.draft_cache, kv_len=t_prompt, rows=rows,
-                               output_index=last)
+            self.slot_cached[s] = cached[b]
+        logits = self._feed_prompts(slots, prompts, cached, [len(p) for p in prompts])
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         vocab = self.verifier.config.vocab_size
         randoms = None if self.params.is_greedy else row_randoms(
@@ -682,10 +703,80 @@ class SpeculativeDecoder:
         _, first = correct_for(dev)(logits, empty, None, self.params, randoms)
         self.tokens[rows, prompt_lens] = first
         self.generated[rows] = 1
-        out = [self._stop(s, [t]) for s, t in zip(slots, first.tolist(), strict=True)]
+        first = first.tolist()
+        for s, t in zip(slots, first, strict=True):
+            self.host_tokens[s].append(t)
+        out = [self._stop(s, [t]) for s, t in zip(slots, first, strict=True)]
         for s in slots:
             self.slot_times[s][3] += time.perf_counter() - t0
         return [tokens for tokens, _ in out], [alive for _, alive in out]
+
+    def cached_prefix(self, slot: int, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` the slot's verifier cache already holds
+        (what its last request left there), at most all but the last: the prefill must
+        feed one token for the first token's logits."""
+        held = self.host_tokens[slot][: self.host_lengths[slot]]
+        common = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False))
+                       if a != b),
+                      min(len(held), len(prompt)))
+        return min(common, len(prompt) - 1)
+
+    def forget(self, slots: list[int]) -> None:
+        """The slots' caches hold nothing reusable (a round that failed may have left them
+        half written)."""
+        for s in slots:
+            self.host_lengths[s] = self.draft_valid[s] = 0
+            self.host_tokens[s] = []
+
+    def feed_prompt(self, slots: list[int], prompts: list[list[int]], starts: list[int],
+                    ends: list[int]) -> None:
+        """A chunk of each prompt into the verifier cache (``prompts[b][starts[b]:ends[b]]``,
+        ``starts[b]`` at most ``cached_prefix``), so that a long prompt is read over several
+        scheduler rounds beside the running requests; ``prefill(..., cached=ends)`` reads
+        the rest and starts the request."""
+        for p, start, end in zip(prompts, starts, ends, strict=True):
+            if not start < end < len(p):
+                raise ValueError(f"feed_prompt: a chunk must end before the prompt's last "
+                                 f"token; got [{start}, {end}) of {len(p)}")
+        self._check_cached(slots, prompts, starts)
+        with glue_threads(self.glue()):
+            self._feed_prompts(slots, prompts, starts, ends)
+
+    def _check_cached(self, slots: list[int], prompts: list[list[int]],
+                      cached: list[int] | None) -> list[int]:
+        if cached is None:
+            return [0] * len(slots)
+        for s, p, n in zip(slots, prompts, cached, strict=True):
+            if not isinstance(n, int) or not 0 <= n <= self.cached_prefix(s, p):
+                raise ValueError(f"cached must be in [0, {self.cached_prefix(s, p)}] for slot "
+                                 f"{s} (the prefix its cache holds); got {n!r}")
+        return list(cached)
+
+    def _feed_prompts(self, slots: list[int], prompts: list[list[int]], starts: list[int],
+                      ends: list[int]) -> Tensor:
+        """Run the verifier over ``prompts[b][starts[b]:ends[b]]`` at their positions, in
+        one call; the logits at each row's last fed position, [B, 1, V]. Shorter rows are
+        padded with their last token at its own position again (the same K/V, written
+        twice), so no row writes past its end."""
+        dev = self.device
+        width = max(e - s for s, e in zip(starts, ends, strict=True))
+        fed = torch.zeros(len(slots), width, dtype=torch.long)
+        pos = torch.zeros(len(slots), width, dtype=torch.long)
+        for b, (p, start, end) in enumerate(zip(prompts, starts, ends, strict=True)):
+            n = end - start
+            fed[b, :n] = torch.tensor(p[start:end])
+            fed[b, n:] = p[end - 1]
+            pos[b] = torch.arange(start, start + width).clamp(max=end - 1)
+        for s, p, start, end in zip(slots, prompts, starts, ends, strict=True):
+            # the prefix the draft's cache holds of this prompt
+            self.draft_valid[s] = min(self.draft_valid[s], start)
+            self.host_tokens[s] = list(p[:end])
+            self.host_lengths[s] = end
+        rows = torch.tensor(slots, device=dev)
+        last = torch.full((len(slots), 1), width - 1, device=dev)
+        logits, _ = self.verifier(fed.to(dev), pos.to(dev), self.cache, kv_len=max(ends),
+                                  rows=rows, output_index=last)
+        return logits
 
     def slot_stats(self, slot: int) -> SpecStats:
         counts = dict(zip(_COUNTS, self.slot_counts[slot], strict=True))
@@ -695,6 +786,7 @@ class SpeculativeDecoder:
             accepted_per_position=more_than(self.accepted_hist[slot])[: self.k],
             drafted_per_position=more_than(self.drafted_hist[slot])[: self.k],
             draft_time=t[0], verify_time=t[1], correct_time=t[2], total_time=t[3],
+            cached_tokens=self.slot_cached[slot],
         )
 
     # -- a fixed batch, start to finish ------------------------------------------------

@@ -124,8 +124,8 @@ def test_forced_rejections_roll_back(backend, truth, drafter, monkeypatch):
     prompt_lens = torch.tensor([len(p) for p in PROMPTS])
     real_draft = dec._draft
 
-    def planted(tokens, lengths, k, bound, gen, rows=None, missed=0):
-        real_draft(tokens, lengths, k, bound, gen, rows, missed)
+    def planted(tokens, lengths, k, bound, gen, rows=None, missed=0, valid=None):
+        real_draft(tokens, lengths, k, bound, gen, rows, missed, valid)
         slots = torch.arange(len(lengths)) if rows is None else rows.cpu()  # None: 0..B-1
         done = (lengths.cpu() - prompt_lens[slots]).tolist()  # index of the newest generated
         drafts = torch.tensor([truth[s][g + 1: g + 1 + k]

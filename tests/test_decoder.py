@@ -50,7 +50,7 @@ def test_planted_rejection_rolls_back_and_discards_later_drafts(verifier, monkey
         dec = SpeculativeDecoder(verifier, Drafter("self", verifier), RuleParams("greedy"),
                                  k=K, max_batch_size=3)
 
-        def planted(tokens, lengths, k, bound, gen, rows=None, missed=0, j=j):
+        def planted(tokens, lengths, k, bound, gen, rows=None, missed=0, valid=None, j=j):
             drafts = torch.tensor([t[1: 1 + k] for t in truth])
             drafts[:, j] = (drafts[:, j] + 1) % verifier.config.vocab_size
             return drafts, None

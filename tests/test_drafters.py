@@ -23,10 +23,10 @@ def test_undrafted_rounds_are_re_fed_to_the_draft_cache(verifier, pair, kind):
     dec.prefill([0, 1, 2], PROMPTS, [40, 40, 40], [None] * 3, [0, 1, 2])
     for _ in range(5):
         dec.step([0, 1, 2])
-    assert dec.draft_missed[0] == 5
     start = dec.host_lengths[0]
+    assert dec.draft_valid[0] < start - 5  # 5 undrafted rounds (and a lazy prefill) behind
     dec.step([0])
-    assert dec.draft_missed[0] == 0
+    assert dec.draft_valid[0] == dec.host_lengths[0] - 1
     fresh = model_module.new_kv_cache(draft.config, 1, dec.draft_cache.max_seq_len,
                                       draft.dtype)
     tokens = dec.tokens[:1, : start + 1]

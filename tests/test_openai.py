@@ -330,3 +330,32 @@ def test_loadtest_over_the_openai_api_reuses_its_connections(api):
                   6, 8, protocol="openai")
     assert (r.answered, r.errors, r.lost, r.output_tokens) == (6, 0, 0, 48), r.error_messages
     assert 0 < r.acceptance_rate <= 1
+
+
+def test_a_later_turn_reads_the_earlier_turns_from_the_prefix_cache(api, client, local):
+    """The second turn of a chat resends the first and its answer: those tokens come from
+    the prefix cache (usage.prompt_tokens_details.cached_tokens, and the Prometheus
+    counters), and the answer is what an in-process decoder gives with no cache."""
+    run, tok, chat = local
+    triton = api[1]
+    messages = [{"role": "system", "content": "You write short Python."},
+                {"role": "user", "content": "def square(x):"}]
+    first = client.chat.completions.create(model="paradraft", messages=messages,
+                                           max_tokens=24, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now add a docstring."}]
+    ids = tok.encode(format_chat(chat, messages), add_special_tokens=False).ids
+    want, _ = run(ids, 24, eos=chat_stop_token_ids(chat))
+    chunks = list(client.chat.completions.create(
+        model="paradraft", messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < len(ids)
+    url = f"http://{triton.host}:{triton.metrics_port}/metrics"
+    text = urllib.request.urlopen(url).read().decode()
+    hits = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("paradraft_prefix_cache_hit_tokens_total{"))
+    prompts = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("paradraft_prompt_tokens_total{"))
+    assert cached <= hits < prompts

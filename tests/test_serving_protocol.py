@@ -17,8 +17,29 @@ def serve_args(**overrides) -> argparse.Namespace:
                    speculative_disable_by_batch_size=None, draft_len_schedule=None,
                    stream_interval=1, draft_threads=1, acceptance_floor=0.6,
                    fused_correction="auto", device=None, dtype=None, instances=1, compile=False,
-                   ngram_min=None, ngram_max=None)
+                   ngram_min=None, ngram_max=None, prefix_cache=True, cache_slots=None,
+                   prefill_chunk=128)
     return argparse.Namespace(**{**options, **overrides})
+
+
+def test_cache_slots_default_to_llama_cpp_sequences_and_bad_values_are_refused():
+    from paradraft.cli.serve import cache_slots_arg
+
+    assert cache_slots_arg(serve_args(), "llamacpp", 4) == 12
+    assert cache_slots_arg(serve_args(), "llamacpp", 200) == 56  # llama.cpp's 256 sequences
+    assert cache_slots_arg(serve_args(), "onnx", 4) == 0
+    assert cache_slots_arg(serve_args(prefix_cache=False), "llamacpp", 4) == 0
+    assert cache_slots_arg(serve_args(cache_slots=2), "onnx", 4) == 2
+    with pytest.raises(ValueError, match=r"cache_slots must be in \[0, 252\]"):
+        cache_slots_arg(serve_args(cache_slots=253), "llamacpp", 4)
+    with pytest.raises(ValueError, match="cache_slots must be >= 0"):
+        cache_slots_arg(serve_args(cache_slots=-1), "onnx", 4)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+        cache_slots_arg(serve_args(prefill_chunk=-1), "onnx", 4)
+    with pytest.raises(ValueError, match="cache_slots keep prefixes"):
+        ServeConfig(verifier="v", draft=None, prefix_cache=False, cache_slots=2)
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1"):
+        ServeConfig(verifier="v", draft=None, prefill_chunk=0)
 
 
 def test_serve_config_validates_its_limits():

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from paradraft.runtime.backends.llamacpp import MAX_SEQUENCES
 from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
@@ -105,6 +106,17 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    help="run the torch models' draft and verify steps from torch.compile "
                         "graphs (CUDA graphs on a GPU), compiled when the model loads "
                         "(checkpoints only; refused with --engines)")
+    s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="feed every prompt whole (default: a request reuses the K/V a "
+                   "finished one left for their common prompt prefix)")
+    s.add_argument("--cache-slots", type=int, default=None, metavar="N",
+                   help="cache slots beyond --max-slots that only keep finished requests' "
+                   "prefixes, least recently used overwritten first (default: 3 x "
+                   "--max-slots for llama.cpp engines, whose slots are cheap sequences; "
+                   "else 0)")
+    s.add_argument("--prefill-chunk", type=int, default=128, metavar="N",
+                   help="while requests run, admitted prompts are fed at most N tokens a "
+                   "round beside them (0: whole prompts at once)")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="streamed responses after the first carry at least N new tokens "
                    "(fewer responses, each an IPC hop: more throughput, coarser "
@@ -158,9 +170,32 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        fused_correction=args.fused_correction, dtype=args.dtype,
                        compile=args.compile,
                        devices=devices_arg(args.device, backend), instances=args.instances,
+                       prefix_cache=args.prefix_cache,
+                       cache_slots=cache_slots_arg(args, backend, max_slots),
+                       prefill_chunk=args.prefill_chunk or None,
                        # every server can draft a request with the lookup (its drafter
                        # "ngram"), so the sizes always apply
                        **ngram_sizes(args, [drafter, "ngram"]))
+
+
+def cache_slots_arg(args: argparse.Namespace, backend: str | None, max_slots: int) -> int:
+    """``--cache-slots``: default 3 x max_slots where slots are llama.cpp sequences (K/V
+    only, no per-row copy), within llama.cpp's 256 sequences; 0 elsewhere and without the
+    prefix cache."""
+    if args.prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts); got "
+                         f"{args.prefill_chunk}")
+    if args.cache_slots is not None:
+        if args.cache_slots < 0:
+            raise ValueError(f"cache_slots must be >= 0; got {args.cache_slots}")
+        if backend == "llamacpp" and max_slots + args.cache_slots > MAX_SEQUENCES:
+            raise ValueError(f"cache_slots must be in [0, {MAX_SEQUENCES - max_slots}] with "
+                             f"llama.cpp engines (at most {MAX_SEQUENCES} sequences with the "
+                             f"{max_slots} slots); got {args.cache_slots}")
+        return args.cache_slots
+    if backend != "llamacpp" or not args.prefix_cache:
+        return 0
+    return min(3 * max_slots, MAX_SEQUENCES - max_slots)
 
 
 def calibrated_params(calibration: dict | None) -> dict[str, dict[str, float]]:

@@ -34,6 +34,7 @@ def cache_positions(limits: dict) -> int:
 def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
     draft_threads: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
+    slots: int | None = None,
 ) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
@@ -43,7 +44,10 @@ def load_engines(
     Runtime, where a draft call is a few hundred tiny nodes and waking a second
     (non-spinning) worker for them costs more than it saves (docs/results.md); ``threads``
     for llama.cpp, whose draft step is a whole model's matrix products. ``ngram_min`` /
-    ``ngram_max``: the ngram drafter's suffix lengths (default: NgramDrafter's)."""
+    ``ngram_max``: the ngram drafter's suffix lengths (default: NgramDrafter's). ``slots``:
+    the cache slots of an engine that keeps its own cache (llama.cpp's sequences; default:
+    the limits' max_batch_size), which a server's prefix cache may make more than the rows
+    of a round."""
     if draft_threads is not None and (not isinstance(draft_threads, int)
                                       or isinstance(draft_threads, bool) or draft_threads < 1):
         raise ValueError(f"draft_threads must be an integer >= 1 or None; got {draft_threads!r}")
@@ -62,7 +66,7 @@ def load_engines(
             m, limits = manifest["models"][name], manifest["limits"]
             return LlamaCppModel(
                 engine_dir / m["weights"], model_config(engine_dir, name, m["config"]),
-                limits["max_batch_size"], cache_positions(limits), threads)
+                slots or limits["max_batch_size"], cache_positions(limits), threads)
         m = manifest["models"][name]
         graphs = {None: engine_dir / m["graphs"]["logits"]["file"]}
         if "self_draft" in m["graphs"]:

@@ -44,6 +44,7 @@ class Completion:
     chunk_times: list[float]
     chunk_tokens: list[int]  # tokens each response carried (from sequence_length)
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens read from the server's prefix cache
 
 
 def stream_error(error, status_codes: bool) -> RuntimeError:
@@ -197,6 +198,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
     chunks, times, counts = [], [], []
     stats = (0.0, 0, 0)
     reason = ""
+    cached = 0
     request_id = request_id or uuid.uuid4().hex
     ended = False  # a final or an error response came: nothing is left running
     t0 = time.perf_counter()
@@ -226,6 +228,8 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
                              int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0]),
                              int(result.as_numpy("total_draft_tokens").reshape(-1)[0]))
                     reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                    if result.as_numpy("cached_tokens") is not None:
+                        cached = int(result.as_numpy("cached_tokens").reshape(-1)[0])
                 if on_text is not None:
                     on_text(text)
             if final is not None and final.bool_param:
@@ -237,4 +241,4 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = True,
             client.close()
     return Completion("".join(chunks), chunks, *stats,
                       first_token_s=times[0] if times else 0.0, chunk_times=times,
-                      chunk_tokens=counts, finish_reason=reason)
+                      chunk_tokens=counts, finish_reason=reason, cached_tokens=cached)

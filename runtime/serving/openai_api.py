@@ -48,7 +48,7 @@ FIELDS = {
 }
 RULE_PARAMETERS = ("tau", "gamma", "alpha", "epsilon", "delta")
 OUTPUTS = ("text_output", "sequence_length", "total_accepted_draft_tokens", "total_draft_tokens",
-           "finish_reason")
+           "finish_reason", "cached_tokens")
 
 
 @dataclass
@@ -303,13 +303,14 @@ class Piece:
     accepted: int
     drafted: int
     finish_reason: str  # "" until the final response
+    cached: int = 0  # prompt tokens read from the prefix cache (the final response's)
 
 
 def read_response(response) -> Piece:
     out = raw_outputs(response)
     return Piece(out.get("text_output", ""), out.get("sequence_length", 0),
                  out.get("total_accepted_draft_tokens", 0), out.get("total_draft_tokens", 0),
-                 out.get("finish_reason", ""))
+                 out.get("finish_reason", ""), out.get("cached_tokens", 0))
 
 
 def error_from_grpc(error) -> ApiError:
@@ -404,7 +405,8 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
 
 def usage(job: Job, piece: Piece) -> dict:
     return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": piece.tokens,
-            "total_tokens": len(job.prompt_ids) + piece.tokens}
+            "total_tokens": len(job.prompt_ids) + piece.tokens,
+            "prompt_tokens_details": {"cached_tokens": piece.cached}}
 
 
 def spec_stats(piece: Piece) -> dict:

@@ -84,13 +84,22 @@ class ServeConfig:
     # spreads requests over them (the model's instance_group follows this list)
     devices: tuple[str, ...] = ("cpu",)
     instances: int = 1
+    # a new request reuses the K/V a finished one left in a slot for their common prompt
+    # prefix (scheduler.py); ``cache_slots``: cache slots beyond ``max_slots`` that only keep
+    # finished requests' prefixes (the least recently used is overwritten first)
+    prefix_cache: bool = True
+    cache_slots: int = 0
+    # while requests run, admitted prompts are fed at most this many tokens a round beside
+    # them (None: whole prompts at once)
+    prefill_chunk: int | None = 128
 
     def __post_init__(self) -> None:
         for name, low in [("k", 1), ("max_slots", 1), ("max_queue", 0), ("max_seq_len", 2),
                           ("max_input_tokens", 1), ("stream_interval", 1),
-                          ("draft_threads", 1), ("instances", 1)]:
+                          ("draft_threads", 1), ("instances", 1), ("cache_slots", 0),
+                          ("prefill_chunk", 1)]:
             value = getattr(self, name)
-            if name == "draft_threads" and value is None:
+            if name in ("draft_threads", "prefill_chunk") and value is None:
                 continue
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
@@ -106,6 +115,11 @@ class ServeConfig:
         if self.fused_correction not in FUSED_MODES:
             raise ValueError(f"fused_correction must be one of {', '.join(FUSED_MODES)}; "
                              f"got {self.fused_correction!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be true or false; got {self.prefix_cache!r}")
+        if self.cache_slots and not self.prefix_cache:
+            raise ValueError("cache_slots keep prefixes for the prefix cache: set it to 0 "
+                             "with prefix_cache off")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be true or false; got {self.compile!r}")
         if self.compile and self.engines:
@@ -169,14 +183,15 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
     """The decoder behind the server: in-flight batching over ``max_slots`` cache slots, on
     ``device`` (default: the first of ``config.devices``)."""
     device = device or instance_device(config)
+    slots = config.max_slots + config.cache_slots
     if device.startswith("cuda"):  # TensorRT engines bind the current CUDA device
         torch.cuda.set_device(device)
     if config.engines:
         verifier, drafters, _, manifest = load_engines(
             config.engines, draft_threads=config.draft_threads, ngram_min=config.ngram_min,
-            ngram_max=config.ngram_max)
+            ngram_max=config.ngram_max, slots=slots)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
-            check_limits(manifest, config.max_slots, config.max_seq_len, config.k)
+            check_limits(manifest, slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
         lookup = drafters["ngram"]
     else:
@@ -193,7 +208,7 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
                                                          dtype=dtype, device=device))
     decoder = SpeculativeDecoder(
         verifier, drafter, default_params(config), k=config.k,
-        max_batch_size=config.max_slots, max_seq_len=config.max_seq_len,
+        max_batch_size=slots, max_running=config.max_slots, max_seq_len=config.max_seq_len,
         disable_by_batch_size=config.disable_by_batch_size,
         draft_len_schedule=config.draft_len_schedule, acceptance_floor=config.acceptance_floor,
         fused_correction=config.fused_correction,
@@ -204,7 +219,8 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         compile_decoder(decoder)
     if config.draft_len_schedule == "auto":
         decoder.calibrate()  # before the scheduler owns the slots, on the compiled steps
-    return Scheduler(decoder, max_queue=config.max_queue)
+    return Scheduler(decoder, max_queue=config.max_queue, prefill_chunk=config.prefill_chunk,
+                     prefix_cache=config.prefix_cache)
 
 
 def round_metrics(decoder: SpeculativeDecoder) -> dict:

@@ -106,6 +106,13 @@ class Metrics:
                                 "verify steps that rejected a draft token").Metric(labels=labels)
         self.requests = family("paradraft_requests_total", counter,
                                "requests finished").Metric(labels=labels)
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: the hit rate is their
+        # ratio
+        self.prompt_tokens = family("paradraft_prompt_tokens_total", counter,
+                                    "prompt tokens of finished requests").Metric(labels=labels)
+        self.cached_tokens = family("paradraft_prefix_cache_hit_tokens_total", counter,
+                                    "prompt tokens of finished requests whose K/V came from "
+                                    "the prefix cache").Metric(labels=labels)
         by_drafted = family("paradraft_draft_tokens_by_position_total", counter,
                             "draft tokens proposed at each block position (1 = first)")
         by_accepted = family("paradraft_accepted_tokens_by_position_total", counter,
@@ -176,11 +183,12 @@ class Metrics:
 
     def empty(self):
         return {"drafted": 0, "accepted": 0, "rollbacks": 0, "requests": 0, "lengths": [],
+                "prompt_tokens": 0, "cached_tokens": 0,
                 "drafted_at": [0] * self.k, "accepted_at": [0] * self.k, "state": None,
                 "rounds": None}
 
     def add(self, drafted=0, accepted=0, rollbacks=0, drafted_at=(), accepted_at=(),
-            scheduler=None, length=None, now=False, rounds=None):
+            scheduler=None, length=None, now=False, rounds=None, prompt=(0, 0)):
         """Fold deltas in (and the scheduler's running / queued counts, read under this lock
         so that a slow caller cannot overwrite a newer reading with an older one); True when
         the caller must queue a ``flush``: none is queued, and the last went out at least
@@ -202,6 +210,8 @@ class Metrics:
             if length is not None:
                 p["requests"] += 1
                 p["lengths"].append(length)
+            p["prompt_tokens"] += prompt[0]
+            p["cached_tokens"] += prompt[1]
             due = now or time.perf_counter() - self.last_flush >= METRICS_FLUSH_S
             queue_it = due and not self.flush_queued
             self.flush_queued = self.flush_queued or queue_it
@@ -220,6 +230,8 @@ class Metrics:
             self.last_flush = time.perf_counter()
         for metric, n in [(self.drafted, p["drafted"]), (self.accepted, p["accepted"]),
                           (self.rollbacks, p["rollbacks"]), (self.requests, p["requests"]),
+                          (self.prompt_tokens, p["prompt_tokens"]),
+                          (self.cached_tokens, p["cached_tokens"]),
                           *zip(self.drafted_at, p["drafted_at"], strict=True),
                           *zip(self.accepted_at, p["accepted_at"], strict=True)]:
             if n:  # only what moved: every call is a round trip to the server process
@@ -297,17 +309,19 @@ class Stream:
 # output_ids (a client asks for it by name)
 DEFAULT_OUTPUTS = frozenset({"text_output", "sequence_length", "acceptance_rate",
                              "total_accepted_draft_tokens", "total_draft_tokens",
-                             "finish_reason"})
+                             "finish_reason", "cached_tokens"})
 
 
 def response(wanted, text, ids, length, stats=None, reason=""):
     """The outputs the request asked for (``wanted``): building and sending each tensor is
-    the costliest part of a response. ``stats``: the final response's (accepted, drafted)."""
+    the costliest part of a response. ``stats``: the final response's (accepted, drafted,
+    cached prompt tokens)."""
     values = {"text_output": ([text.encode()], np.object_), "output_ids": (ids, np.int32),
               "sequence_length": ([length], np.int32)}
     if stats is not None:
-        accepted, drafted = stats
+        accepted, drafted, cached = stats
         values.update(
+            cached_tokens=([cached], np.int32),
             acceptance_rate=([accepted / drafted if drafted else 0.0], np.float32),
             total_accepted_draft_tokens=([accepted], np.int32),
             total_draft_tokens=([drafted], np.int32), finish_reason=([reason.encode()], np.object_))
@@ -517,9 +531,9 @@ class TritonPythonModel:
         if stopped is None:
             raise ValueError(f"stop: no request with id {request_id!r} is running or queued")
         stopped.stopped = True  # the scheduler drops it at its next cancellation check
-        self.reply(sender, response(wanted, "", [], 0, (0, 0)))
+        self.reply(sender, response(wanted, "", [], 0, (0, 0, 0)))
 
-    def account(self, s, stats, length=None):
+    def account(self, s, stats, length=None, prompt=(0, 0)):
         """Fold a request's counters since they were last read into the metrics (scheduler
         thread: the decoder's counters are only read there). ``length``: the request
         finished (its acceptance length goes into the histogram; flushed at once)."""
@@ -535,7 +549,8 @@ class TritonPythonModel:
         if self.metrics.add(now[0] - before[0], now[1] - before[1], now[2] - before[2],
                             [a - b for a, b in zip(now[3], before[3], strict=False)],
                             [a - b for a, b in zip(now[4], before[4], strict=False)],
-                            self.scheduler, length, now=length is not None, rounds=rounds):
+                            self.scheduler, length, now=length is not None, rounds=rounds,
+                            prompt=prompt):
             self.outbox.put(self.metrics.flush)
 
     def make_request(self, parsed, sender, wanted, request_id=""):
@@ -573,7 +588,8 @@ class TritonPythonModel:
                 del self.live[request_id]
             try:
                 if stats is not None:
-                    self.account(s, stats, stats.mean_acceptance_length)
+                    self.account(s, stats, stats.mean_acceptance_length,
+                                 (len(parsed.prompt), stats.cached_tokens))
                 else:
                     self.note_state()
             finally:  # metrics that fail must not cost the client its final response
@@ -591,7 +607,8 @@ class TritonPythonModel:
                 try:
                     text = s.detokenizer.add(chunk) + s.detokenizer.finish()
                     last = response(wanted, text, chunk, len(tokens),
-                                    (stats.accepted_tokens, stats.draft_tokens),
+                                    (stats.accepted_tokens, stats.draft_tokens,
+                                     stats.cached_tokens),
                                     self.protocol.finish_reason(tokens, parsed))
                 except Exception as e:  # every request must end with a final response:
                     failure = e  # Triton waits for it before the model can unload
