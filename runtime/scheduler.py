@@ -19,7 +19,7 @@ n-gram lookup beside a draft model (``lookup_drafts``).
 Prefix caching: a finished request leaves its K/V in its slot, and the decoder keeps its
 tokens. A new request takes the free slot whose cache holds the longest prefix of its prompt
 (a system prompt, the earlier turns of a chat, a retry) and only the rest of its prompt is
-fed; with no such slot, the least recently used one. The decoder may have more cache slots
+fed; with no such slot, the least recently used one (``_pick_slot``). The decoder may have more cache slots
 than requests run at once (``max_running``): the others only keep prefixes.
 
 Chunked prefill: while requests run, an admitted prompt is fed at most ``prefill_chunk``
@@ -211,12 +211,21 @@ class Scheduler:
         return admitted
 
     def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, prompt tokens its cache holds)."""
+        """(slot, prompt tokens its cache holds). A hit overwrites what the slot held past
+        the common prefix: take it where the prompt continues (or repeats) the slot's
+        tokens, or shares at least half of them; else the least recently used slot (an
+        empty one first), so that a shared system prompt alone does not evict a
+        conversation that may come back."""
         if not self.prefix_cache:
             return self.free[0], 0
-        held = {s: self.decoder.cached_prefix(s, prompt) for s in self.free}
-        slot = max(self.free, key=lambda s: (held[s], -self.last_used[s]))
-        return slot, held[slot]
+        hits = {}
+        for s in self.free:
+            common, held = self.decoder.common_prefix(s, prompt), self.decoder.host_lengths[s]
+            worth = common in (held, len(prompt)) or 2 * common >= held
+            hits[s] = min(common, len(prompt) - 1) if worth else 0
+        slot = max(self.free, key=lambda s: (hits[s], -self.last_used[s]))
+        # the slot picked is overwritten past the common prefix anyway: reuse what it shares
+        return slot, self.decoder.cached_prefix(slot, prompt)
 
     def _loop(self) -> None:
         while True:

@@ -715,11 +715,13 @@ class SpeculativeDecoder:
         """How many leading tokens of ``prompt`` the slot's verifier cache already holds
         (what its last request left there), at most all but the last: the prefill must
         feed one token for the first token's logits."""
+        return min(self.common_prefix(slot, prompt), len(prompt) - 1)
+
+    def common_prefix(self, slot: int, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the slot's cache holds."""
         held = self.host_tokens[slot][: self.host_lengths[slot]]
-        common = next((i for i, (a, b) in enumerate(zip(held, prompt, strict=False))
-                       if a != b),
-                      min(len(held), len(prompt)))
-        return min(common, len(prompt) - 1)
+        return next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+                    min(len(held), len(tokens)))
 
     def forget(self, slots: list[int]) -> None:
         """The slots' caches hold nothing reusable (a round that failed may have left them

@@ -140,6 +140,44 @@ def test_greedy_speculation_equals_plain_decoding(tiny_engines: Path, drafter: s
         assert spec.stats.rollbacks > 0
 
 
+def test_served_with_cache_hits_chunks_and_a_lazy_draft_equals_plain(tiny_engines: Path):
+    """The scheduler over llama.cpp sequences: 2 running of 4 cache slots, prompts that
+    share prefixes (hits), a long prompt read in chunks beside a running request, the draft
+    model's lazy prefill; every request's tokens equal plain greedy decoding's alone."""
+    import threading
+
+    from paradraft.runtime.scheduler import Request, Scheduler
+
+    verifier, drafters, _, _ = load_engines(tiny_engines, threads=1, slots=4)
+    base = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    prompts = [[*base, 40, 41], [*base, 40, 41, 42], [*base, 60], (base * 4)[:45], [70, 71],
+               [*base, 40, 41]]
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=4,
+                               max_seq_len=96)
+    want = [plain.generate([p], 20).token_ids[0] for p in prompts]
+    verifier.reset()
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
+                             max_batch_size=4, max_running=2, max_seq_len=96)
+    sched = Scheduler(dec, prefill_chunk=8)
+    got, cached = [[] for _ in prompts], [0] * len(prompts)
+    try:
+        # two at a time, the second joining a round; 5 repeats 0, and 2 shares only 12
+        # tokens with 0 and 1, which leaves their slots be (2 and 3 take the empty ones)
+        for pair in ((0, 1), (2, 3), (5, 4)):
+            done = [threading.Event() for _ in pair]
+            for i, ev in zip(pair, done, strict=True):
+                def on_done(stats, error, i=i, ev=ev):
+                    cached[i] = stats.cached_tokens
+                    ev.set()
+                sched.submit(Request(prompts[i], 20, RuleParams("greedy"), got[i].extend,
+                                     on_done, num_draft_tokens=None if i % 2 else 0))
+            assert all(ev.wait(60) for ev in done)
+    finally:
+        sched.stop()
+    assert got == want
+    assert cached[:4] == [0, 0, 0, 0] and cached[5] == len(prompts[5]) - 1
+
+
 def refusal(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)

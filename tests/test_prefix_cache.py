@@ -61,11 +61,19 @@ def test_a_request_reuses_the_prefix_an_earlier_one_left_and_emits_its_solo_outp
         out3, stats3 = run(sched, second, 12)
         assert stats3.cached_tokens == len(second) - 1
         assert out3 == out2
-        # a prompt sharing only the preamble
+        # a prompt sharing only the preamble with a longer conversation leaves it be: it
+        # takes the empty slot
         third = [*SYSTEM, 58, 3, 59]
         out4, stats4 = run(sched, third, 12, num_draft_tokens=2)
-        assert stats4.cached_tokens == len(SYSTEM)
+        assert stats4.cached_tokens == 0
         assert out4 == solo(models, third, 12)
+        assert run(sched, second, 4)[1].cached_tokens == len(second) - 1  # still there
+        # with no empty slot, the least recently used one is overwritten, and the preamble
+        # it shares is still read from it
+        fourth = [*SYSTEM, 3, 3, 3]
+        out5, stats5 = run(sched, fourth, 12)
+        assert stats5.cached_tokens == len(SYSTEM)
+        assert out5 == solo(models, fourth, 12)
     finally:
         sched.stop()
 
