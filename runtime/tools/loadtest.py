@@ -2,11 +2,14 @@
 
 For each concurrency level a fixed number of requests is sent by that many client threads
 (each sends its next request when the previous one finished), so the run stops by itself.
-Three protocols: ``grpc`` (the ``ensemble`` model over a gRPC stream, what TensorRT-LLM's
-clients use), ``http`` (its ``generate_stream`` server-sent events) and ``openai``
-(``/v1/completions`` streamed). Reports output tokens/s, time to first token and inter-token
-latency (p50/p99), errors (error responses), lost requests (no final response: none came in
-time, or the stream broke off) and acceptance. The in-process reference (``run_reference``)
+Four protocols: ``grpc`` (the ``ensemble`` model over a gRPC stream, what TensorRT-LLM's
+clients use), ``http`` (its ``generate_stream`` server-sent events), ``openai``
+(``/v1/completions`` streamed) and ``chat`` (``/v1/chat/completions`` streamed, greedy, a new
+connection per request: what ``--peer llama-server`` drives both servers with). Reports output
+tokens/s, time to first token and inter-token latency (p50/p90/p99), errors (error
+responses), lost requests (no final response: none came in time, or the stream broke off),
+acceptance and the prompt tokens the server reported as cached. ``run_multiturn`` sends
+conversations whose every turn resends the history. The in-process reference (``run_reference``)
 runs the same prompts through the same scheduler and decoder in this process, with no
 serving at all, so served / in-process is the serving overhead. Ratios between levels come
 from one run against one server; with ``repeats`` > 1 the levels are run in turn (c1, c4, …
@@ -22,7 +25,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,9 +40,13 @@ from ..serving.client import (
     raw_outputs,
     raw_request,
 )
+from . import humaneval
 
-PROTOCOLS = ("grpc", "http", "openai")
+PROTOCOLS = ("grpc", "http", "openai", "chat")
 REFERENCE = "in-process"
+WORKLOADS = ("single", "multiturn")
+# the follow-up user turns of the multiturn workload, one {"messages": [...]} a line
+FOLLOWUPS = Path(__file__).resolve().parents[2] / "prompts" / "multiturn_followups.jsonl"
 
 
 @dataclass
@@ -62,7 +69,17 @@ class LevelResult:
     # machine it shares with the server, this much compute was not the server's
     client_cpu_share: float
     error_messages: list[str]
-    protocol: str = "grpc"  # or http, openai, in-process (the reference)
+    protocol: str = "grpc"  # or http, openai, chat, in-process (the reference)
+    ttft_p90_ms: float = 0.0
+    itl_p90_ms: float = 0.0
+    # prompt tokens the server reported as read from its cache, summed over the requests
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    system: str = "ours"  # or the peer's name (llama-server)
+    variant: str = "default"  # the request variant (ours) or the server variant (the peer)
+    workload: str = "single"  # or multiturn
+    # multiturn: per turn number, {"turn", "requests", "ttft_p50_ms", "cached_tokens", ...}
+    per_turn: list[dict] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -142,13 +159,15 @@ def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
 
 
 def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
-                timeout: float, model: str = "paradraft") -> Completion:
+                timeout: float, model: str = "paradraft", extra: dict | None = None
+                ) -> Completion:
     """``/v1/completions`` streamed, with the usage chunk. Chunks carry no token counts, so
-    each chunk's share of the completion tokens is taken as equal (for the ITL only)."""
+    each chunk's share of the completion tokens is taken as equal (for the ITL only).
+    ``extra``: more body fields (a request variant: ``num_draft_tokens``, ``drafter``)."""
     t0 = time.perf_counter()
     response = http_stream(conn, "/v1/completions", {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-        "stream_options": {"include_usage": True}}, timeout)
+        "stream_options": {"include_usage": True}, **(extra or {})}, timeout)
     chunks, times, done, reason, usage, stats = [], [], False, "", None, {}
     try:
         for event in sse_events(response):
@@ -172,11 +191,84 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
     if not done or not reason or usage is None:
         conn.close()
         raise LostRequest("the stream ended without a final response")
-    tokens = usage["completion_tokens"]
-    counts = [tokens // len(chunks) + (i < tokens % len(chunks)) for i in range(len(chunks))]
+    counts = even_counts(usage["completion_tokens"], len(chunks))
     return Completion("".join(chunks), chunks, stats.get("acceptance_rate", 0.0),
                       stats.get("accepted_draft_tokens", 0), stats.get("draft_tokens", 0),
                       times[0] if times else 0.0, times, counts, reason)
+
+
+def even_counts(tokens: int, chunks: int) -> list[int]:
+    """``tokens`` spread over ``chunks`` as evenly as whole tokens allow."""
+    return [tokens // chunks + (i < tokens % chunks) for i in range(chunks)]
+
+
+@dataclass
+class ChatCompletion(Completion):
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server read from its cache
+
+
+def cached_prompt_tokens(usage: dict | None, timings: dict | None) -> int:
+    """The prompt tokens a server reports as cached: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` (ours, and llama-server's), else
+    llama-server's own ``timings.cache_n``."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        return int(details["cached_tokens"])
+    return int((timings or {}).get("cache_n", 0))
+
+
+def chat_body(messages: list[dict], max_tokens: int, model: str, extra: dict | None) -> dict:
+    """A greedy streamed chat request that asks for the usage chunk."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+
+
+def openai_chat(conn: http.client.HTTPConnection, messages: list[dict], max_tokens: int,
+                timeout: float, model: str = "paradraft", extra: dict | None = None
+                ) -> ChatCompletion:
+    """``/v1/chat/completions`` streamed (``chat_body``). A chunk's text is its
+    ``delta.content``; as with ``openai_http``, the completion tokens are spread evenly over
+    the chunks that carried text. Draft statistics come from our ``paradraft`` object or
+    llama-server's ``timings`` (``draft_n``, ``draft_n_accepted``)."""
+    t0 = time.perf_counter()
+    response = http_stream(conn, "/v1/chat/completions",
+                           chat_body(messages, max_tokens, model, extra), timeout)
+    chunks, times, done, reason, usage, stats, timings = [], [], False, "", None, {}, {}
+    try:
+        for event in sse_events(response):
+            if event is None:
+                done = True
+                break
+            if "error" in event:
+                drain(conn, response)
+                error = event["error"]
+                raise ServerError(error.get("message", str(event)) if isinstance(
+                    error, dict) else str(error))
+            for choice in event.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    chunks.append(text)
+                    times.append(time.perf_counter() - t0)
+                reason = choice.get("finish_reason") or reason
+            usage = event.get("usage") or usage
+            stats = event.get("paradraft") or stats
+            timings = event.get("timings") or timings
+        drain(conn, response)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        conn.close()
+        raise LostRequest(f"{type(e).__name__}: {e}") from None
+    if not done or not reason or usage is None:
+        conn.close()
+        raise LostRequest("the stream ended without a final response")
+    drafted = stats.get("draft_tokens", timings.get("draft_n", 0))
+    accepted = stats.get("accepted_draft_tokens", timings.get("draft_n_accepted", 0))
+    return ChatCompletion(
+        "".join(chunks), chunks, accepted / drafted if drafted else 0.0, accepted, drafted,
+        times[0] if times else 0.0, times,
+        even_counts(usage["completion_tokens"], len(chunks)) if chunks else [], reason,
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=cached_prompt_tokens(usage, timings))
 
 
 def grpc_stream(stub, prompt: str, max_tokens: int, timeout: float) -> Completion:
@@ -215,11 +307,14 @@ def grpc_stream(stub, prompt: str, max_tokens: int, timeout: float) -> Completio
                       times[0], times, counts, last["finish_reason"])
 
 
-def requester(protocol: str, url: str, timeout: float, model: str = "paradraft"
-              ) -> tuple[Callable, Callable]:
+def requester(protocol: str, url: str, timeout: float, model: str = "paradraft",
+              extra: dict | None = None) -> tuple[Callable, Callable]:
     """(send(prompt, max_tokens) -> Completion, close) for one worker: one channel or
     keep-alive connection per worker, reused by its requests (as perf_analyzer does): a new
-    one per request is client CPU taken from a server on the same cores."""
+    one per request is client CPU taken from a server on the same cores. ``chat`` (a prompt
+    is a list of messages) is the exception: a new connection per request, because
+    llama-server's keep-alive breaks some clients, and ours gets the same for fairness.
+    ``extra``: more body fields of every request (openai, chat)."""
     if protocol == "grpc":
         import grpc
         from tritonclient.grpc import service_pb2_grpc
@@ -230,10 +325,19 @@ def requester(protocol: str, url: str, timeout: float, model: str = "paradraft"
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     parts = urlsplit(url if "://" in url else f"http://{url}")
+    if protocol == "chat":
+        def send(messages: list[dict], n: int) -> ChatCompletion:
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+            try:
+                return openai_chat(conn, messages, n, timeout, model, extra)
+            finally:
+                conn.close()
+
+        return send, lambda: None
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     if protocol == "http":
         return (lambda prompt, n: triton_http(conn, prompt, n, timeout)), conn.close
-    return (lambda prompt, n: openai_http(conn, prompt, n, timeout, model)), conn.close
+    return (lambda prompt, n: openai_http(conn, prompt, n, timeout, model, extra)), conn.close
 
 
 def level_result(results: list[Completion], errors: list[str], lost: list[str], requests: int,
@@ -260,6 +364,9 @@ def level_result(results: list[Completion], errors: list[str], lost: list[str], 
         acceptance_rate=accepted / drafted if drafted else 0.0,
         client_cpu_share=client_cpu / seconds,
         error_messages=sorted(set(errors + lost))[:5], protocol=protocol,
+        ttft_p90_ms=percentile(ttft, 90), itl_p90_ms=percentile(itl, 90),
+        cached_tokens=sum(getattr(r, "cached_tokens", 0) for r in results),
+        prompt_tokens=sum(getattr(r, "prompt_tokens", 0) for r in results),
     )
 
 
@@ -288,9 +395,12 @@ def run_workers(concurrency: int, requests: int, work: Callable[[int], None],
     return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+def run_level(url: str, prompts: list, concurrency: int, requests: int, max_tokens: int,
               progress: tqdm | None = None, repeat: int = 0, protocol: str = "grpc",
-              timeout: float = 300, model: str = "paradraft") -> LevelResult:
+              timeout: float = 300, model: str = "paradraft", extra: dict | None = None
+              ) -> LevelResult:
+    """``requests`` requests over ``concurrency`` workers; ``prompts``: strings, or (chat)
+    message lists; ``extra``: more body fields of every request (openai, chat)."""
     lock = threading.Lock()
     results, errors, lost = [], [], []
     local = threading.local()
@@ -298,7 +408,7 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
 
     def work(i: int) -> None:
         if not hasattr(local, "send"):
-            local.send, close = requester(protocol, url, timeout, model)
+            local.send, close = requester(protocol, url, timeout, model, extra)
             with lock:
                 senders.append(close)
         try:
@@ -319,6 +429,170 @@ def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max
             close()
     return level_result(results, errors, lost, requests, concurrency, repeat, seconds, cpu,
                         protocol)
+
+
+# -- chat requests and the multiturn workload ---------------------------------------------
+
+def read_chat_requests(spec: str | Path) -> list[list[dict]]:
+    """The message lists of a JSONL file, one ``{"messages": [...]}`` a line (blank lines
+    skipped; a bad line refused naming its number), or of ``humaneval[:N]``: the first N
+    HumanEval problems as chat requests (``humaneval.py``)."""
+    count = humaneval.parse_spec(str(spec))
+    if count is not False:
+        return [humaneval.chat_request(p)["messages"] for p in humaneval.problems(count)]
+    out = []
+    for number, line in enumerate(Path(spec).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line).get("messages")
+        except (json.JSONDecodeError, AttributeError):
+            messages = None
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"{spec}, line {number}: a chat request is an object "
+                             '{"messages": [{"role": ..., "content": ...}, ...]}')
+        out.append(messages)
+    if not out:
+        raise ValueError(f"{spec}: no chat requests (one JSON object per line)")
+    return out
+
+
+def turn_stats(turn: int, done: list[Completion], failed: int) -> dict:
+    ttft = [r.first_token_s * 1e3 for r in done]
+    return {"turn": turn, "requests": len(done) + failed, "answered": len(done),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
+            "cached_tokens": sum(getattr(r, "cached_tokens", 0) for r in done),
+            "prompt_tokens": sum(getattr(r, "prompt_tokens", 0) for r in done)}
+
+
+def run_multiturn(url: str, openers: list[list[dict]], followups: list[list[dict]],
+                  conversations: int, concurrency: int, max_tokens: int,
+                  progress: tqdm | None = None, repeat: int = 0, timeout: float = 300,
+                  model: str = "paradraft", extra: dict | None = None) -> LevelResult:
+    """``conversations`` chats over the ``chat`` protocol, ``concurrency`` at a time, each
+    one of its turns after another: turn 1 is ``openers[i % len(openers)]``, turn t + 1
+    resends the whole history, the answer to turn t as the assistant's message, and
+    ``followups[t - 1]``. A failed turn ends its conversation; its later turns count as lost
+    (never sent). The result is over all turns, with ``per_turn`` statistics."""
+    turns = 1 + len(followups)
+    lock = threading.Lock()
+    done: dict[int, list[Completion]] = {t: [] for t in range(1, turns + 1)}
+    failed = dict.fromkeys(done, 0)
+    errors, lost = [], []
+
+    def converse(i: int) -> None:
+        send, _ = requester("chat", url, timeout, model, extra)
+        history = list(openers[i % len(openers)])
+        for turn in range(1, turns + 1):
+            try:
+                r = send(history, max_tokens)
+            except Exception as e:  # ServerError (counted as an error) or a lost request
+                with lock:
+                    (errors if isinstance(e, ServerError) else lost).append(
+                        f"turn {turn}: {type(e).__name__}: {str(e)[:170]}")
+                    failed[turn] += 1
+                    for later in range(turn + 1, turns + 1):
+                        lost.append(f"lost: turn {later} not sent: turn {turn} failed")
+                        failed[later] += 1
+                return
+            with lock:
+                done[turn].append(r)
+            if turn < turns:
+                history = [*history, {"role": "assistant", "content": r.text},
+                           *followups[turn - 1]]
+
+    seconds, cpu = run_workers(concurrency, conversations, converse, progress)
+    results = [r for t in done for r in done[t]]
+    level = level_result(results, errors, lost, conversations * turns, concurrency, repeat,
+                         seconds, cpu, "chat")
+    level.workload = "multiturn"
+    level.per_turn = [turn_stats(t, done[t], failed[t]) for t in done]
+    return level
+
+
+# -- request variants on one server, and a chat run over them ----------------------------
+
+VARIANTS = ("default", "plain", "ngram")
+
+
+def request_variant(name: str, max_k: int | None = None) -> dict:
+    """The body fields of one of our request variants: ``default`` (the server's own
+    settings), ``plain`` (``num_draft_tokens`` 0: no speculation), ``ngram`` (the n-gram
+    lookup drafter) or ``ngram:K`` (that drafter, ``num_draft_tokens`` K, at most ``max_k``,
+    the server's --k, when it is known)."""
+    kind, _, k = name.partition(":")
+    if kind not in VARIANTS or (k and kind != "ngram"):
+        raise ValueError(f"variants: {name!r} is not one of default, plain, ngram, ngram:K")
+    if kind == "default":
+        return {}
+    if kind == "plain":
+        return {"num_draft_tokens": 0}
+    if not k:
+        return {"drafter": "ngram"}
+    high = max_k if max_k is not None else 64
+    if not k.isdigit() or not 1 <= int(k) <= high:
+        raise ValueError(f"variants: {name!r}: K must be an integer in [1, {high}]"
+                         + (" (the server's --k)" if max_k is not None else ""))
+    return {"drafter": "ngram", "num_draft_tokens": int(k)}
+
+
+def parse_variants(text: str, max_k: int | None = None) -> dict[str, dict]:
+    """``default,plain,ngram:16`` → {name: body fields}, in order."""
+    names = [t.strip() for t in text.split(",")]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variants: each variant once; got {text!r}")
+    return {name: request_variant(name, max_k) for name in names}
+
+
+@dataclass
+class ChatLoad:
+    """What one chat run sends: ``openers`` (each request's messages, or each
+    conversation's first turn), ``followups`` (multiturn: the later user turns) and how."""
+
+    openers: list[list[dict]]
+    levels: list[int]
+    max_tokens: int
+    requests: int = 32  # per level (single)
+    conversations: int = 8  # per level (multiturn)
+    followups: list[list[dict]] = field(default_factory=list)
+    workload: str = "single"
+    repeats: int = 1
+    timeout: float = 300
+    model: str = "paradraft"
+
+
+def run_chat_load(url: str, system: str, variants: dict[str, dict], load: ChatLoad
+                  ) -> list[LevelResult]:
+    """Every level ``load.repeats`` times, the levels in turn, and at each level every
+    variant (``{name: body fields}``) in turn, so a slow spell hits them alike; after one
+    warm-up request. Multiturn: each run's conversations open with the next openers, so
+    with enough of them no run's first turn repeats an earlier run's prompt. Results in run
+    order, labelled with ``system`` and the variant."""
+    send, _ = requester("chat", url, load.timeout, load.model)
+    send(load.openers[0], 4)  # warm-up
+    per_run = load.conversations if load.workload == "multiturn" else load.requests
+    runs = len(load.levels) * load.repeats * len(variants)
+    out = []
+    with tqdm(total=per_run * runs, desc=f"loadtest {system}", unit="req") as bar:
+        for r in range(load.repeats):
+            for c in load.levels:
+                for name, extra in variants.items():
+                    if load.workload == "multiturn":
+                        first = len(out) * load.conversations
+                        openers = [load.openers[(first + i) % len(load.openers)]
+                                   for i in range(len(load.openers))]
+                        level = run_multiturn(url, openers, load.followups,
+                                              load.conversations, c, load.max_tokens, bar, r,
+                                              load.timeout, load.model, extra)
+                    else:
+                        level = run_level(url, load.openers, c, load.requests,
+                                          load.max_tokens, bar, r, "chat", load.timeout,
+                                          load.model, extra)
+                    level.system, level.variant = system, name
+                    out.append(level)
+    return out
 
 
 def run_reference(scheduler, tokenizer, params, eos_token_id, prompts: list[str],

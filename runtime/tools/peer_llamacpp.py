@@ -6,11 +6,13 @@ The peer is what a CPU user runs today: ``llama-completion`` for plain decoding 
 model, and the n-gram modes ``ngram-simple`` and ``ngram-mod``), greedy, batch 1. They are
 built once into the cache from the sources vendored in the pinned ``llama-cpp-python`` sdist
 (the same llama.cpp our llamacpp backend links), so both sides run the same kernels. Their
-own timing lines are parsed: prompt and decode seconds, tokens decoded.
+own timing lines are parsed: prompt and decode seconds, tokens decoded. ``loadtest --peer
+llama-server`` builds ``llama-server`` the same way (``build_tools(tools=(SERVER,))``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +28,7 @@ from .bench import BenchRow, median_ratio
 
 VERSION = "0.3.36"  # llama-cpp-python, as the [llamacpp] extra pins it
 TOOLS = ("llama-completion", "llama-speculative-simple")
+SERVER = "llama-server"  # loadtest --peer llama-server
 NGRAM_MODES = ("ngram-simple", "ngram-mod")
 # static: the programs are copied out of the build dir, with no shared library to find;
 # without AMX, as our backend's build (NO_AMX_FLAGS says why): both run the same kernels
@@ -33,6 +36,10 @@ CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=
          "-DLLAMA_BUILD_TESTS=OFF",
          "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
          f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
+# the server's web UI would otherwise be downloaded (a prebuilt bundle) or built with npm at
+# build time; without it the server embeds no UI, and its HTTP API is all a load test uses
+SERVER_CMAKE = [f for f in CMAKE if f != "-DLLAMA_BUILD_SERVER=OFF"] + [
+    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"]
 
 
 class PeerError(RuntimeError):
@@ -43,12 +50,17 @@ def tools_dir() -> Path:
     return cache_root() / f"llama.cpp-{VERSION}-noamx" / "bin"
 
 
-def build_tools(dest: Path | None = None) -> Path:
-    """Compile ``TOOLS`` from the llama-cpp-python sdist into ``dest`` (once; minutes)."""
+def cmake_flags(tools: tuple[str, ...]) -> list[str]:
+    return SERVER_CMAKE if SERVER in tools else CMAKE
+
+
+def build_tools(dest: Path | None = None, tools: tuple[str, ...] = TOOLS) -> Path:
+    """Compile ``tools`` (cmake targets) from the llama-cpp-python sdist into ``dest`` (once;
+    minutes)."""
     dest = dest or tools_dir()
-    if all((dest / t).is_file() for t in TOOLS):
+    if all((dest / t).is_file() for t in tools):
         return dest
-    print(f"paradraft: building llama.cpp's {', '.join(TOOLS)} (llama-cpp-python {VERSION} "
+    print(f"paradraft: building llama.cpp's {', '.join(tools)} (llama-cpp-python {VERSION} "
           f"sdist) into {dest}: a few minutes, once", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="llama-tools-") as tmp:
         tmp = Path(tmp)
@@ -57,10 +69,13 @@ def build_tools(dest: Path | None = None) -> Path:
         with tarfile.open(next(tmp.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(tmp, filter="data")
         src = next(tmp.glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-        run(["cmake", "-S", str(src), "-B", str(tmp / "build"), *CMAKE], "cmake configure")
-        run(["cmake", "--build", str(tmp / "build"), "-j", "--target", *TOOLS], "cmake build")
+        run(["cmake", "-S", str(src), "-B", str(tmp / "build"), *cmake_flags(tools)],
+            "cmake configure")
+        # one job a core: a bare -j is make's unbounded parallelism, a compiler per file
+        run(["cmake", "--build", str(tmp / "build"), "-j", str(os.cpu_count() or 1),
+             "--target", *tools], "cmake build")
         dest.mkdir(parents=True, exist_ok=True)
-        for t in TOOLS:
+        for t in tools:
             shutil.copy2(tmp / "build" / "bin" / t, dest / t)
     return dest
 
