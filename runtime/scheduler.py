@@ -19,8 +19,9 @@ n-gram lookup beside a draft model (``lookup_drafts``).
 Prefix caching: a finished request leaves its K/V in its slot, and the decoder keeps its
 tokens. A new request takes the free slot whose cache holds the longest prefix of its prompt
 (a system prompt, the earlier turns of a chat, a retry) and only the rest of its prompt is
-fed; with no such slot, the least recently used one (``_pick_slot``). The decoder may have more cache slots
-than requests run at once (``max_running``): the others only keep prefixes.
+fed; with no such slot, the least recently used one (``_pick_slot``). The decoder may have
+more cache slots than requests run at once (``max_running``): the others only keep
+prefixes.
 
 Chunked prefill: while requests run, an admitted prompt is fed at most ``prefill_chunk``
 tokens a round (over all prompts), beside the running requests' round, so a long prompt
