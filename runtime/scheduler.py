@@ -19,7 +19,8 @@ n-gram lookup beside a draft model (``lookup_drafts``).
 Prefix caching: a finished request leaves its K/V in its slot, and the decoder keeps its
 tokens. A new request takes the free slot whose cache holds the longest prefix of its prompt
 (a system prompt, the earlier turns of a chat, a retry) and only the rest of its prompt is
-fed; with no such slot, the least recently used one (``_pick_slot``). The decoder may have
+fed; with no such slot, the least recently used one (``_pick_slot``), into which a longer
+prefix another slot holds (a shared system prompt) is copied first. The decoder may have
 more cache slots than requests run at once (``max_running``): the others only keep
 prefixes.
 
@@ -44,6 +45,9 @@ from .speculative import SpeculativeDecoder
 
 log = logging.getLogger("paradraft")
 CANCEL_CHECK_S = 0.05  # how often running requests are asked whether they were cancelled
+# the fewest prompt tokens a prefix copy from another slot must save: a llama.cpp sequence
+# copies whole (tens of MB of K/V), which costs about what a few prompt tokens do
+MIN_COPY = 16
 
 
 class QueueFull(RuntimeError):
@@ -226,7 +230,15 @@ class Scheduler:
             hits[s] = min(common, len(prompt) - 1) if worth else 0
         slot = max(self.free, key=lambda s: (hits[s], -self.last_used[s]))
         # the slot picked is overwritten past the common prefix anyway: reuse what it shares
-        return slot, self.decoder.cached_prefix(slot, prompt)
+        cached = self.decoder.cached_prefix(slot, prompt)
+        if self.decoder.copies_prefixes:  # or a longer prefix another slot holds, copied
+            source = max(range(self.decoder.max_batch_size),
+                         key=lambda s: self.decoder.cached_prefix(s, prompt))
+            longest = self.decoder.cached_prefix(source, prompt)
+            if longest >= cached + MIN_COPY:
+                self.decoder.copy_prefix(source, slot, longest)
+                cached = longest
+        return slot, cached
 
     def _loop(self) -> None:
         while True:

@@ -723,6 +723,34 @@ class SpeculativeDecoder:
         return next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
                     min(len(held), len(tokens)))
 
+    @property
+    def copies_prefixes(self) -> bool:
+        """Whether ``copy_prefix`` can copy between slots: caches of the decoder's own, or
+        engines that copy theirs (llama.cpp)."""
+        engines = [self.verifier] + ([self.drafter.model] if self.separate_draft else [])
+        return all(not getattr(e, "owns_cache", False) or hasattr(e, "copy_prefix")
+                   for e in engines)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot ``dst`` gets the first ``n`` positions of slot ``src``'s caches (the
+        verifier's, and what a separate draft's holds of them) and tokens: a request reuses
+        a prefix another slot holds without taking that slot (whose own tokens may come back:
+        a conversation's next turn)."""
+        n = min(n, self.host_lengths[src])
+        caches = [(self.verifier, self.cache, n)]
+        if self.separate_draft:
+            drafted = min(n, self.draft_valid[src])
+            caches.append((self.drafter.model, self.draft_cache, drafted))
+            self.draft_valid[dst] = drafted
+        for engine, cache, m in caches:
+            if cache is None:  # the engine keeps it
+                engine.copy_prefix(src, dst, m)
+            else:
+                for layer in (*cache.k, *cache.v):
+                    layer[dst, :m] = layer[src, :m]
+        self.host_tokens[dst] = self.host_tokens[src][:n]
+        self.host_lengths[dst] = n
+
     def forget(self, slots: list[int]) -> None:
         """The slots' caches hold nothing reusable (a round that failed may have left them
         half written)."""

@@ -62,10 +62,10 @@ def test_a_request_reuses_the_prefix_an_earlier_one_left_and_emits_its_solo_outp
         assert stats3.cached_tokens == len(second) - 1
         assert out3 == out2
         # a prompt sharing only the preamble with a longer conversation leaves it be: it
-        # takes the empty slot
+        # takes the empty slot, and the preamble is copied there
         third = [*SYSTEM, 58, 3, 59]
         out4, stats4 = run(sched, third, 12, num_draft_tokens=2)
-        assert stats4.cached_tokens == 0
+        assert stats4.cached_tokens == len(SYSTEM)
         assert out4 == solo(models, third, 12)
         assert run(sched, second, 4)[1].cached_tokens == len(second) - 1  # still there
         # with no empty slot, the least recently used one is overwritten, and the preamble

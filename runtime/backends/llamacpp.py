@@ -175,6 +175,15 @@ class LlamaCppModel:
         self.lib.llama_memory_clear(self._memory, True)
         self._stored[:] = 0
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make sequence ``dst`` hold sequence ``src``'s first ``n`` positions. Across KV
+        streams llama.cpp copies only whole streams (the data at its next decode): the copy,
+        then ``dst``'s tail dropped."""
+        self.lib.llama_memory_seq_rm(self._memory, dst, -1, -1)
+        self.lib.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+        self.lib.llama_memory_seq_rm(self._memory, dst, n, -1)
+        self._stored[dst] = min(n, self._stored[src])
+
     def __call__(
         self,
         tokens: Tensor,
