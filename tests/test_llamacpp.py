@@ -182,6 +182,24 @@ def test_served_with_cache_hits_chunks_and_a_lazy_draft_equals_plain(tiny_engine
     assert cached[5] == len(prompts[5]) - 1
 
 
+def test_serve_defaults_for_llama_cpp_engines(tiny_engines: Path):
+    import argparse
+
+    from paradraft.cli import serve
+
+    def config(*argv):
+        parser = argparse.ArgumentParser()
+        serve.add_parser(parser.add_subparsers())
+        return serve.serve_config(parser.parse_args(["serve", "--engines", str(tiny_engines),
+                                                     *argv]))
+
+    default = config()  # the engines' max_k is 4
+    assert (default.drafter, default.k, default.draft_len_schedule) == ("ngram", 4, {1: 4, 2: 0})
+    assert default.cache_slots == 3 * default.max_slots
+    chosen = config("--drafter", "model")
+    assert (chosen.drafter, chosen.k, chosen.draft_len_schedule) == ("model", 4, "auto")
+
+
 def refusal(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as e:
         main(argv)

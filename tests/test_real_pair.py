@@ -4,6 +4,8 @@ files. Opt-in (`make test-real-pair`, marker ``real_pair``): the files are a 1.6
 
 - Greedy speculation through the llama.cpp engine dir (the draft model, and n-gram lookup at
   a long K) equals greedy plain decoding on the same engine, on 8 HumanEval chat prompts.
+- Served through the scheduler, with the prefix cache, chunked prefill and the lazy draft
+  prefill, every prompt twice (the second time a cache hit): the same greedy tokens.
 - Our fp32 import of the 1.5B GGUF decodes the same greedy tokens as transformers loading
   the same file, on the same 8 prompts x 64 tokens.
 """
@@ -74,6 +76,44 @@ def test_greedy_speculation_equals_plain_decoding(engines: Path, prompts):
     assert sum(map(len, plain)) > PROMPTS * NEW_TOKENS // 2  # real answers, not stops
     assert decode(drafters["model"], 3) == plain
     assert decode(drafters["ngram"], 16) == plain
+
+
+def test_served_with_prefix_cache_hits_equals_plain_decoding(engines: Path, prompts):
+    """The scheduler as `serve` runs it (2 running, 10 cache slots, 64-token prefill chunks,
+    the draft model's lazy prefill, and the n-gram lookup per request): each prompt twice,
+    the second time read from the prefix cache; greedy tokens equal plain decoding's."""
+    import threading
+
+    from paradraft.runtime.scheduler import Request, Scheduler
+
+    verifier, drafters, _, _ = load_engines(engines, slots=10)
+    eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids,
+                               *chat_stop_token_ids(engines))))
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=10,
+                               max_seq_len=512)
+    want = [plain.generate([p], NEW_TOKENS, eos_token_id=eos).token_ids[0] for p in prompts]
+    verifier.reset()
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
+                             max_batch_size=10, max_running=2, max_seq_len=512,
+                             lookup=drafters["ngram"])
+    sched = Scheduler(dec, prefill_chunk=64)
+    runs = [(i, p) for i, p in enumerate(prompts)] * 2
+    got = [[] for _ in runs]
+    cached = [0] * len(runs)
+    done = [threading.Event() for _ in runs]
+    try:
+        for j, (i, p) in enumerate(runs):
+            def on_done(stats, error, j=j):
+                cached[j] = -1 if error else stats.cached_tokens
+                done[j].set()
+            sched.submit(Request(p, NEW_TOKENS, RuleParams("greedy"), got[j].extend, on_done,
+                                 eos_token_id=eos, lookup_drafts=i % 2 == 1))
+        assert all(ev.wait(600) for ev in done)
+    finally:
+        sched.stop()
+    assert got == want + want
+    assert all(n == len(p) - 1 for n, (_, p) in zip(cached[len(prompts):], runs[len(prompts):],
+                                                     strict=True))
 
 
 def test_fp32_import_equals_transformers(pair, engines: Path, prompts):

@@ -524,3 +524,13 @@ def test_a_calibration_out_of_range_is_refused_naming_the_rule():
     with pytest.raises(ValueError, match=r"calibrated\['ratio'\]: parameters must be among "
                                          r"tau, gamma, alpha; got 'delta'"):
         ServeConfig("v", "d", calibrated={"ratio": {"delta": 0.2}})
+
+
+def test_llama_cpp_engines_default_to_long_lookups_for_one_request():
+    from paradraft.cli.serve import backend_default
+
+    llamacpp, onnx = {"backend": "llamacpp"}, {"backend": "onnx"}
+    assert backend_default(llamacpp, serve_args())
+    assert not backend_default(onnx, serve_args())
+    for given in ({"drafter": "model"}, {"k": 3}, {"draft_len_schedule": "auto"}):
+        assert not backend_default(llamacpp, serve_args(**given))  # the user's choice stands

@@ -91,9 +91,10 @@ def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
                         "(0: never; the acceptance-floor alert)")
 
 
-def add_draft_len_schedule_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-len-schedule", type=schedule_arg, default="auto",
-                   metavar="auto|SIZE:K,...", help="K per round. 'auto' (default): the "
+def add_draft_len_schedule_arg(p: argparse.ArgumentParser, default: str | None = "auto",
+                                more: str = "") -> None:
+    p.add_argument("--draft-len-schedule", type=schedule_arg, default=default,
+                   metavar="auto|SIZE:K,...", help=f"K per round{more}. 'auto': the "
                    "goodput policy: per round and per drafter, the K of most expected "
                    "tokens/s from that drafter's running acceptance and round costs measured "
                    "at start and refreshed by every round (K = 0, a plain step, when no K "

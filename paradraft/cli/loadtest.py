@@ -197,18 +197,22 @@ def run_chat(args: argparse.Namespace, levels: list[int]) -> None:
     variants = parse_variants(args.variants or "default", None if args.url else config.k)
     plan = plan_peer(args, config) if args.peer else None  # may build llama-server: first
     out = Path(args.out)
-    server = api = None
-    try:  # straight after each start: a signal from here on still stops the servers
-        if args.url is None:
-            server = own_server(args, config)
-            api = own_openai_server(args, config, server)
-        url = args.url or f"{api.config.host}:{api.config.port}"
-        results = run_chat_load(url, "ours", variants, load)
-    finally:
-        if api is not None:
-            api.stop()
-        if server is not None:
-            server.stop()
+    results = []
+    # a server this run starts is started afresh for each variant, as each llama-server
+    # variant is: each starts with an empty prefix cache (one server at --url serves all)
+    for group in [variants] if args.url else [{n: v} for n, v in variants.items()]:
+        server = api = None
+        try:  # straight after each start: a signal from here on still stops the servers
+            if args.url is None:
+                server = own_server(args, config)
+                api = own_openai_server(args, config, server)
+            url = args.url or f"{api.config.host}:{api.config.port}"
+            results += run_chat_load(url, "ours", group, load)
+        finally:
+            if api is not None:
+                api.stop()
+            if server is not None:
+                server.stop()
     if plan is not None:  # after ours stopped: the two never share the cores
         results += run_peer(plan, load, out)
     meta = {"url": url, "protocol": "chat", "workload": args.workload,

@@ -101,7 +101,10 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                    metavar="N", help="rounds with >= N running requests decode without "
                    "drafts (a saturated device gains nothing from speculation)")
-    add_draft_len_schedule_arg(s)
+    add_draft_len_schedule_arg(
+        s, None, " (default: auto; for llama.cpp engines with --drafter and --k unset too, "
+        "the n-gram lookup at K 16 for one running request and none for more, measured "
+        "best on the CPU: docs/serving.md)")
     s.add_argument("--compile", action="store_true",
                    help="run the torch models' draft and verify steps from torch.compile "
                         "graphs (CUDA graphs on a GPU), compiled when the model loads "
@@ -138,6 +141,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                             ("max_slots", "max_seq_len", "k"))
         check_engine_placement(manifest, args)
         drafter = engine_drafter(manifest, args.engines, args.drafter)
+        if backend_default(manifest, args):
+            drafter, k = "ngram", min(LLAMACPP_LOOKUP_K, limits["max_k"])
+            args.draft_len_schedule = {1: k, 2: 0}
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
         backend = manifest.get("backend")
         calibrated = calibrated_params(manifest.get("calibration"))
@@ -164,7 +170,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        top_p=top_p, rule_defaults=defaults, calibrated=calibrated,
                        eos_token_id=eos,
                        disable_by_batch_size=args.speculative_disable_by_batch_size,
-                       draft_len_schedule=args.draft_len_schedule,
+                       draft_len_schedule=args.draft_len_schedule or "auto",
                        stream_interval=args.stream_interval, draft_threads=args.draft_threads,
                        acceptance_floor=args.acceptance_floor,
                        fused_correction=args.fused_correction, dtype=args.dtype,
@@ -176,6 +182,20 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        # every server can draft a request with the lookup (its drafter
                        # "ngram"), so the sizes always apply
                        **ngram_sizes(args, [drafter, "ngram"]))
+
+
+# llama.cpp engines served on the CPU: a verify pass over n positions costs close to n plain
+# steps for small n (its kernels are compute-bound on few cores), so neither the draft model
+# nor short lookups pay; long lookups pay with one request running, not with more
+# (docs/results.md, "Served on the CPU against llama-server")
+LLAMACPP_LOOKUP_K = 16
+
+
+def backend_default(manifest: dict, args: argparse.Namespace) -> bool:
+    """Whether the llama.cpp default applies: a llamacpp engine dir, and none of --drafter,
+    --k and --draft-len-schedule given."""
+    return manifest.get("backend") == "llamacpp" and (
+        args.drafter, args.k, args.draft_len_schedule) == (None, None, None)
 
 
 def cache_slots_arg(args: argparse.Namespace, backend: str | None, max_slots: int) -> int:
