@@ -530,7 +530,7 @@ def test_llama_cpp_engines_default_to_long_lookups_for_one_request():
     from paradraft.cli.serve import backend_default
 
     llamacpp, onnx = {"backend": "llamacpp"}, {"backend": "onnx"}
-    assert backend_default(llamacpp, serve_args())
-    assert not backend_default(onnx, serve_args())
+    assert backend_default(llamacpp, serve_args(drafter=None))
+    assert not backend_default(onnx, serve_args(drafter=None))
     for given in ({"drafter": "model"}, {"k": 3}, {"draft_len_schedule": "auto"}):
         assert not backend_default(llamacpp, serve_args(**given))  # the user's choice stands
