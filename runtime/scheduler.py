@@ -116,7 +116,8 @@ class Prefilling:
 
 class Scheduler:
     def __init__(self, decoder: SpeculativeDecoder, max_queue: int = 64,
-                 prefill_chunk: int | None = None, prefix_cache: bool = True):
+                 prefill_chunk: int | None = None, prefix_cache: bool = True,
+                 spread_slots: bool | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0; got {max_queue}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int)
@@ -127,6 +128,14 @@ class Scheduler:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache
+        # with no prefix hit, a request takes the least recently used free slot (spread), or
+        # the lowest free one: where the decoder owns the cache, rounds over slots 0..B-1
+        # read plain slices of it and rounds over any other set gather its rows in every
+        # layer. Default: spread where slots are llama.cpp sequences, or kept beyond the
+        # running ones (cache slots)
+        self.spread_slots = (getattr(decoder.verifier, "owns_cache", False)
+                             or decoder.max_batch_size > decoder.max_running
+                             ) if spread_slots is None else spread_slots
         self.max_running = decoder.max_running  # requests in slots; the rest keep prefixes
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}  # slot -> request
@@ -219,8 +228,8 @@ class Scheduler:
         """(slot, prompt tokens its cache holds). A hit overwrites what the slot held past
         the common prefix: take it where the prompt continues (or repeats) the slot's
         tokens, or shares at least half of them; else the least recently used slot (an
-        empty one first), so that a shared system prompt alone does not evict a
-        conversation that may come back."""
+        empty one first; or the lowest, ``spread_slots``), so that a shared system prompt
+        alone does not evict a conversation that may come back."""
         if not self.prefix_cache:
             return self.free[0], 0
         hits = {}
@@ -228,7 +237,8 @@ class Scheduler:
             common, held = self.decoder.common_prefix(s, prompt), self.decoder.host_lengths[s]
             worth = common in (held, len(prompt)) or 2 * common >= held
             hits[s] = min(common, len(prompt) - 1) if worth else 0
-        slot = max(self.free, key=lambda s: (hits[s], -self.last_used[s]))
+        slot = max(self.free, key=lambda s: (
+            hits[s], -self.last_used[s] if self.spread_slots else -s))
         # the slot picked is overwritten past the common prefix anyway: reuse what it shares
         cached = self.decoder.cached_prefix(slot, prompt)
         if self.decoder.copies_prefixes:  # or a longer prefix another slot holds, copied

@@ -47,7 +47,7 @@ def test_a_request_reuses_the_prefix_an_earlier_one_left_and_emits_its_solo_outp
     verifier, draft = models
     dec = SpeculativeDecoder(verifier, Drafter("model", draft), GREEDY, k=3, max_batch_size=2,
                              max_seq_len=128)
-    sched = Scheduler(dec, prefill_chunk=None)
+    sched = Scheduler(dec, prefill_chunk=None, spread_slots=True)
     try:
         first = [*SYSTEM, 40, 41, 42]
         out1, stats1 = run(sched, first, 12)
@@ -74,6 +74,23 @@ def test_a_request_reuses_the_prefix_an_earlier_one_left_and_emits_its_solo_outp
         out5, stats5 = run(sched, fourth, 12)
         assert stats5.cached_tokens == len(SYSTEM)
         assert out5 == solo(models, fourth, 12)
+    finally:
+        sched.stop()
+
+
+def test_on_the_decoders_own_caches_a_miss_takes_the_lowest_free_slot(models):
+    """Rounds over slots 0..B-1 read plain cache slices: with no prefix to reuse, requests
+    keep to the lowest slots."""
+    verifier, draft = models
+    dec = SpeculativeDecoder(verifier, Drafter("model", draft), GREEDY, k=3, max_batch_size=2,
+                             max_seq_len=128)
+    sched = Scheduler(dec)
+    try:
+        assert not sched.spread_slots
+        for p in ([3, 4, 5], [6, 7, 8], [9, 10, 11]):
+            run(sched, p, 4)
+            assert dec.host_tokens[0][:3] == p  # each in slot 0, one after the other
+        assert dec.host_tokens[1] == []
     finally:
         sched.stop()
 
