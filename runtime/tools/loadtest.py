@@ -158,6 +158,43 @@ def triton_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                       times[0], times, counts, last["finish_reason"])
 
 
+def read_openai_stream(conn: http.client.HTTPConnection, response, t0: float,
+                       text_of: Callable[[dict], str | None]
+                       ) -> tuple[list[str], list[float], str, dict, dict, dict]:
+    """An OpenAI-style SSE stream to its end: (texts, their arrival seconds after ``t0``,
+    finish_reason, usage, our ``paradraft`` object, llama-server's ``timings``).
+    ``text_of``: a choice's text (completions: ``text``; chat: ``delta.content``). Raises
+    ServerError for an error event, LostRequest for a stream with no final chunk."""
+    chunks, times, done, reason, usage, stats, timings = [], [], False, "", None, {}, {}
+    try:
+        for event in sse_events(response):
+            if event is None:
+                done = True
+                break
+            if "error" in event:
+                drain(conn, response)
+                error = event["error"]
+                raise ServerError(error.get("message", str(event)) if isinstance(
+                    error, dict) else str(error))
+            for choice in event.get("choices", []):
+                text = text_of(choice)
+                if text:
+                    chunks.append(text)
+                    times.append(time.perf_counter() - t0)
+                reason = choice.get("finish_reason") or reason
+            usage = event.get("usage") or usage
+            stats = event.get("paradraft") or stats
+            timings = event.get("timings") or timings
+        drain(conn, response)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        conn.close()
+        raise LostRequest(f"{type(e).__name__}: {e}") from None
+    if not done or not reason or usage is None:
+        conn.close()
+        raise LostRequest("the stream ended without a final response")
+    return chunks, times, reason, usage, stats, timings
+
+
 def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
                 timeout: float, model: str = "paradraft", extra: dict | None = None
                 ) -> Completion:
@@ -168,29 +205,8 @@ def openai_http(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
     response = http_stream(conn, "/v1/completions", {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
         "stream_options": {"include_usage": True}, **(extra or {})}, timeout)
-    chunks, times, done, reason, usage, stats = [], [], False, "", None, {}
-    try:
-        for event in sse_events(response):
-            if event is None:
-                done = True
-                break
-            if "error" in event:
-                drain(conn, response)
-                raise ServerError(event["error"].get("message", str(event)))
-            for choice in event.get("choices", []):
-                if choice.get("text"):
-                    chunks.append(choice["text"])
-                    times.append(time.perf_counter() - t0)
-                reason = choice.get("finish_reason") or reason
-            usage = event.get("usage") or usage
-            stats = event.get("paradraft") or stats
-        drain(conn, response)
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        conn.close()
-        raise LostRequest(f"{type(e).__name__}: {e}") from None
-    if not done or not reason or usage is None:
-        conn.close()
-        raise LostRequest("the stream ended without a final response")
+    chunks, times, reason, usage, stats, _ = read_openai_stream(
+        conn, response, t0, lambda choice: choice.get("text"))
     counts = even_counts(usage["completion_tokens"], len(chunks))
     return Completion("".join(chunks), chunks, stats.get("acceptance_rate", 0.0),
                       stats.get("accepted_draft_tokens", 0), stats.get("draft_tokens", 0),
@@ -234,33 +250,8 @@ def openai_chat(conn: http.client.HTTPConnection, messages: list[dict], max_toke
     t0 = time.perf_counter()
     response = http_stream(conn, "/v1/chat/completions",
                            chat_body(messages, max_tokens, model, extra), timeout)
-    chunks, times, done, reason, usage, stats, timings = [], [], False, "", None, {}, {}
-    try:
-        for event in sse_events(response):
-            if event is None:
-                done = True
-                break
-            if "error" in event:
-                drain(conn, response)
-                error = event["error"]
-                raise ServerError(error.get("message", str(event)) if isinstance(
-                    error, dict) else str(error))
-            for choice in event.get("choices", []):
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    chunks.append(text)
-                    times.append(time.perf_counter() - t0)
-                reason = choice.get("finish_reason") or reason
-            usage = event.get("usage") or usage
-            stats = event.get("paradraft") or stats
-            timings = event.get("timings") or timings
-        drain(conn, response)
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        conn.close()
-        raise LostRequest(f"{type(e).__name__}: {e}") from None
-    if not done or not reason or usage is None:
-        conn.close()
-        raise LostRequest("the stream ended without a final response")
+    chunks, times, reason, usage, stats, timings = read_openai_stream(
+        conn, response, t0, lambda choice: (choice.get("delta") or {}).get("content"))
     drafted = stats.get("draft_tokens", timings.get("draft_n", 0))
     accepted = stats.get("accepted_draft_tokens", timings.get("draft_n_accepted", 0))
     return ChatCompletion(
