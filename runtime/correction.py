@@ -115,11 +115,12 @@ def mix32(x: Tensor) -> Tensor:
     """A full-avalanche 32-bit integer hash (lowbias32), on int64 tensors holding 32-bit
     values: the products wrap past 2**63, and the mask keeps their low 32 bits, which wrapping
     leaves exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
+    x = x ^ (x >> 16)  # a new tensor: the rest works in place (a [B, V] draw per round)
+    x.mul_(0x7FEB352D).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B).bitwise_and_(MASK32)
+    x ^= x >> 16
+    return x
 
 
 @dataclass

@@ -274,6 +274,11 @@ def tiny_tokenizer_meta() -> dict:
             "tokenizer.ggml.pre": "qwen2"}
 
 
+def tiny_llama_meta() -> dict:
+    """The tiny vocabulary with SmolLM2's pre-tokenizer (the llama files' own)."""
+    return {**tiny_tokenizer_meta(), "tokenizer.ggml.pre": "smollm"}
+
+
 def logits_against_transformers(tmp_path: Path, path: Path) -> float:
     """The largest gap between our decoder on the imported dir and transformers loading the
     same GGUF, over a short sequence."""
@@ -291,11 +296,10 @@ def logits_against_transformers(tmp_path: Path, path: Path) -> float:
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "F16"])
-def test_tiny_llama_logits_equal_transformers(real, tmp_path: Path, qtype: str):
+def test_tiny_llama_logits_equal_transformers(tmp_path: Path, qtype: str):
     """Random weights through the whole path (quantize → GGUF → import → our decoder) against
     transformers loading the same file: Q/K rows, tied head, norms, rope all line up."""
-    meta, _ = real
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", meta, qtype=qtype)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama_meta(), qtype=qtype)
     assert logits_against_transformers(tmp_path, path) < 1e-4
 
 
@@ -311,8 +315,8 @@ def test_tiny_qwen2_logits_equal_transformers(tmp_path: Path, qtype: str):
     assert logits_against_transformers(tmp_path, path) < 1e-4
 
 
-def test_refusals_name_what_is_not_imported(real, tmp_path: Path, monkeypatch):
-    meta, _ = real
+def test_refusals_name_what_is_not_imported(tmp_path: Path, monkeypatch):
+    meta = tiny_llama_meta()
     cases = [
         (dict(arch="gptneox"), "general.architecture='gptneox'"),
         (dict(extra_kv={"llama.attention.scale": 0.5}), "llama.attention.scale"),
@@ -328,8 +332,8 @@ def test_refusals_name_what_is_not_imported(real, tmp_path: Path, monkeypatch):
         g.import_gguf(write_tiny_gguf(tmp_path / "q.gguf", meta), tmp_path / "outq")
 
 
-def test_cache_imports_once_per_content(real, tmp_path: Path):
-    meta, _ = real
+def test_cache_imports_once_per_content(tmp_path: Path):
+    meta = tiny_llama_meta()
     path = write_tiny_gguf(tmp_path / "a.gguf", meta)
     first = g.cached_import(path, tmp_path / "cache")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
@@ -340,8 +344,8 @@ def test_cache_imports_once_per_content(real, tmp_path: Path):
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
 
 
-def test_checkpoint_arguments_take_a_gguf(real, tmp_path: Path, monkeypatch, capsys):
-    meta, _ = real
+def test_checkpoint_arguments_take_a_gguf(tmp_path: Path, monkeypatch, capsys):
+    meta = tiny_llama_meta()
     path = write_tiny_gguf(tmp_path / "tiny.gguf", meta)
     monkeypatch.setenv(g.CACHE_ENV, str(tmp_path / "cache"))
     main(["import", str(path), "--out", str(tmp_path / "imported")])

@@ -116,7 +116,7 @@ def test_exact_rule_preserves_the_verifier_distribution(draft_is_greedy):
     params = RuleParams("exact", temperature=0.9, top_p=0.95)
     p = sampling_probs(target_logits, params.temperature, params.top_p)
     q = sampling_probs(draft_logits, params.temperature, params.top_p)
-    N = 200_000
+    N = 60_000
     if draft_is_greedy:
         drafts = q.argmax(-1).expand(N, -1)
         q_batch = None
@@ -132,7 +132,9 @@ def test_exact_rule_preserves_the_verifier_distribution(draft_is_greedy):
         references = [torch.softmax(torch.randn(V, generator=g), -1) for _ in range(20)]
         d_target = distribution_distance(samples, target)
         d_refs = [distribution_distance(samples, r) for r in references]
-        assert d_target < 0.02
+        # sampling alone leaves an L1 gap of about 0.8 of this (sum of the counts' sd / n)
+        noise = float((target * (1 - target) / samples.numel()).sqrt().sum())
+        assert d_target < 3 * noise
         assert d_target * 5 < min(d_refs)
         support = target > 0
         counts = torch.bincount(samples, minlength=V).double()
