@@ -178,14 +178,23 @@ class NgramDrafter:
     shares_verifier_cache: ClassVar[bool] = False
     ngram_min: int = 2
     ngram_max: int = 4
+    # the shortest match drafted from in a round of several rows (None: ngram_min). On a CPU
+    # a batched verify pass costs about a plain token per drafted position, so only drafts
+    # that are nearly always right pay there: those that continue a long match (a copy)
+    ngram_batched_min: int | None = None
 
     def __post_init__(self) -> None:
-        for name, low in (("ngram_min", 1), ("ngram_max", self.ngram_min)):
+        for name, low, high in (("ngram_min", 1, NGRAM_LIMIT),
+                                ("ngram_max", self.ngram_min, NGRAM_LIMIT),
+                                ("ngram_batched_min", self.ngram_min, self.ngram_max)):
             value = getattr(self, name)
+            if value is None and name == "ngram_batched_min":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or not (
-                    low <= value <= NGRAM_LIMIT):
-                raise ValueError(f"{name} must be an integer in [{low}, {NGRAM_LIMIT}]"
-                                 f"{' (>= ngram_min)' if name == 'ngram_max' else ''}; "
+                    low <= value <= high):
+                bounds = {"ngram_max": " (>= ngram_min)",
+                          "ngram_batched_min": " (ngram_min to ngram_max)"}.get(name, "")
+                raise ValueError(f"{name} must be an integer in [{low}, {high}]{bounds}; "
                                  f"got {value!r}")
 
     def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int
@@ -195,7 +204,8 @@ class NgramDrafter:
         ``tokens`` [B, T]: row b's tokens, its newest at ``lengths[b]`` (positions past it are
         stale); ``history`` > max(lengths): the columns that can hold a row's tokens. Every
         end position e < lengths[b] of an earlier occurrence is scored at once: the length
-        of the match ending there (up to ``ngram_max`` compares), then recency."""
+        of the match ending there (up to ``ngram_max`` compares), then recency. With several
+        rows a match must be ``ngram_batched_min`` long, where set."""
         dev = tokens.device
         ends = torch.arange(history - 1, device=dev)  # e: where an earlier occurrence ends
         back = torch.arange(self.ngram_max, device=dev)
@@ -209,7 +219,9 @@ class NgramDrafter:
         # most of K to follow (in a loop of period p < K the latest match has p), then the
         # most recent; below ngram_min: none
         follows = (lengths[:, None] - ends).clamp(max=k)
-        score = torch.where(run >= self.ngram_min, (run * (k + 1) + follows) * history + ends, -1)
+        shortest = self.ngram_min if tokens.shape[0] == 1 or self.ngram_batched_min is None \
+            else self.ngram_batched_min
+        score = torch.where(run >= shortest, (run * (k + 1) + follows) * history + ends, -1)
         best = score.argmax(1)
         found = score.gather(1, best[:, None])[:, 0] >= 0
         counts = torch.where(found, (lengths - best).clamp(max=k), 0)
@@ -222,7 +234,7 @@ AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter
 
 def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None = None,
             mask_token_id: int | None = None, ngram_min: int | None = None,
-            ngram_max: int | None = None) -> AnyDrafter:
+            ngram_max: int | None = None, ngram_batched_min: int | None = None) -> AnyDrafter:
     """The drafter of ``kind`` (the CLI's ``--drafter`` names) over ``model`` (none for the
     model-free ``ngram``)."""
     if kind not in DRAFTERS:
@@ -232,7 +244,8 @@ def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None 
     if mask_token_id is not None and kind != "parallel":
         raise ValueError(f"mask_token_id is for the parallel drafter only; got {mask_token_id} "
                          f"for {kind!r}")
-    sizes = {name: v for name, v in (("ngram_min", ngram_min), ("ngram_max", ngram_max))
+    sizes = {name: v for name, v in (("ngram_min", ngram_min), ("ngram_max", ngram_max),
+                                     ("ngram_batched_min", ngram_batched_min))
              if v is not None}
     if kind == "ngram":
         if model is not None:

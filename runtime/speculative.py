@@ -230,8 +230,12 @@ class SpeculativeDecoder:
             t2 = time.perf_counter()
         else:
             audit = self.audit_epsilon is not None
+            # an engine that feeds rows ragged (llama.cpp) skips the padding past each row's
+            # drafts: on a CPU every fed position costs
+            ragged = {"num_tokens": keep + 1} if num_drafted is not None and getattr(
+                self.verifier, "feeds_ragged", False) else {}
             logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound,
-                                         rows=cache_rows, audit=audit)
+                                         rows=cache_rows, audit=audit, **ragged)
             t2 = time.perf_counter()
             # 3. correct: a position that looked at a later one (the audit) is not trusted
             if audit:

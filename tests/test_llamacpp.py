@@ -101,6 +101,34 @@ def test_rows_are_sequences_and_rollback_drops_the_tail(tiny_pair):
         engine(a, pos, audit=True)
 
 
+def test_ragged_rows_feed_only_their_own_tokens(tiny_pair):
+    """``num_tokens``: a row feeds its first n tokens only (a verify pass whose rows drafted
+    different counts); its logits equal a padded call's there, later positions repeat its
+    last, and its cache holds n positions."""
+    verifier, _ = tiny_pair
+    config = load_config(g.import_gguf(verifier, verifier.parent / "cfg", weights=False))
+    engine = LlamaCppModel(verifier, config, 2, 64, threads=1)
+    tokens = torch.tensor([[5, 6, 7, 8], [50, 60, 70, 80]])
+    pos = torch.arange(4).expand(2, -1)
+    padded, _ = engine(tokens, pos)
+    engine.reset()
+    got, _ = engine(tokens, pos, num_tokens=torch.tensor([4, 2]))
+    np.testing.assert_allclose(got[0].numpy(), padded[0].numpy(), atol=1e-4)
+    np.testing.assert_allclose(got[1, :2].numpy(), padded[1, :2].numpy(), atol=1e-4)
+    assert torch.equal(got[1, 2:], got[1, 1:2].expand(2, -1))
+    # row 1 holds positions 0, 1: the next call goes on from 2; from 3 is a gap
+    with pytest.raises(ValueError, match="row 1 is fed from position 3"):
+        engine(torch.tensor([[1]]), torch.tensor([[3]]), rows=torch.tensor([1]))
+    nxt, _ = engine(tokens[1:, 2:], pos[1:, 2:], rows=torch.tensor([1]))
+    np.testing.assert_allclose(nxt.numpy(), padded[1:, 2:].numpy(), atol=1e-4)
+    for bad in ([0, 2], [5, 1], [1]):
+        with pytest.raises(ValueError, match="num_tokens must be"):
+            engine(tokens, pos, num_tokens=torch.tensor(bad))
+    with pytest.raises(ValueError, match="exclusive"):
+        engine(tokens, pos, num_tokens=torch.tensor([1, 1]),
+               output_index=torch.tensor([[0], [0]]))
+
+
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_pair, tmp_path_factory) -> Path:
     verifier, draft = tiny_pair
@@ -123,7 +151,8 @@ def test_engine_dir_stands_alone(tiny_engines: Path, tiny_pair):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_greedy_speculation_equals_plain_decoding(tiny_engines: Path, drafter: str):
+def test_greedy_speculation_equals_plain_decoding(tiny_engines: Path, drafter: str,
+                                                  monkeypatch):
     """Ragged batch of three, K=3: the random draft is rejected often, so every round rolls
     llama.cpp's caches back; the tokens equal plain greedy decoding's."""
     verifier, drafters, _, _ = load_engines(tiny_engines, threads=1)
@@ -133,9 +162,20 @@ def test_greedy_speculation_equals_plain_decoding(tiny_engines: Path, drafter: s
     verifier.reset()
     dec = SpeculativeDecoder(verifier, drafters[drafter], RuleParams("greedy"), k=3,
                              max_batch_size=3, max_seq_len=96)
+    calls = []  # (tokens given, tokens fed) of each call: a row that drafted fewer feeds fewer
+    call = LlamaCppModel.__call__
+
+    def spy(self, tokens, *args, num_tokens=None, **kwargs):
+        calls.append((tokens.numel(), tokens.numel() if num_tokens is None
+                      else int(num_tokens.sum())))
+        return call(self, tokens, *args, num_tokens=num_tokens, **kwargs)
+
+    monkeypatch.setattr(LlamaCppModel, "__call__", spy)
     spec = dec.generate(prompts, 24)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.draft_tokens > 0
+    if drafter == "ngram":  # lookups find different counts per row: ragged passes
+        assert any(fed < given for given, fed in calls)
     if drafter == "model":  # a random draft: rejections, so rollbacks happened
         assert spec.stats.rollbacks > 0
 
@@ -194,8 +234,15 @@ def test_serve_defaults_for_llama_cpp_engines(tiny_engines: Path):
                                                      *argv]))
 
     default = config()  # the engines' max_k is 4
-    assert (default.drafter, default.k, default.draft_len_schedule) == ("ngram", 4, {1: 4, 2: 0})
+    assert (default.drafter, default.k, default.draft_len_schedule) == ("ngram", 4, {1: 4})
+    assert (default.ngram_min, default.ngram_max, default.ngram_batched_min) == (2, 12, 6)
     assert default.cache_slots == 3 * default.max_slots
+    # sizes given are kept; a batched floor beyond them is left unset
+    short = config("--ngram-max", "4")
+    assert (short.ngram_max, short.ngram_batched_min) == (4, None)
+    assert config("--ngram-batched-min", "3").ngram_batched_min == 3
+    with pytest.raises(ValueError, match=r"ngram_batched_min must be an integer in \[2, 12\]"):
+        config("--ngram-batched-min", "13")
     chosen = config("--drafter", "model")
     assert (chosen.drafter, chosen.k, chosen.draft_len_schedule) == ("model", 4, "auto")
 

@@ -72,6 +72,26 @@ def test_lookup_prefers_the_longest_match_then_a_full_block_then_the_latest():
     assert drafts[2, :2].tolist() == [6, 3]
 
 
+def test_batched_rounds_draft_only_from_long_matches():
+    """ngram_batched_min: alone, a row drafts from its 2-token match; beside another row only
+    a match of at least that many tokens counts (the reference lookup at that floor)."""
+    d = NgramDrafter(2, 6, ngram_batched_min=4)
+    short = [9, 1, 2, 3, 8, 7, 6, 5, 2, 3]  # "2 3" occurred before
+    long = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]  # "1 2 3 4" occurred before
+    tokens = torch.tensor([[*short, 0], long])
+    lengths = torch.tensor([len(short) - 1, len(long) - 1])
+    k = 3
+    for b, row in enumerate([short, long]):
+        _, found = d.lookup(tokens[b:b + 1], lengths[b:b + 1], k, 12)
+        assert int(found) == len(reference_lookup(row, k, 2, 6)) > 0
+    drafts, counts = d.lookup(tokens, lengths, k, 12)
+    assert counts.tolist() == [len(reference_lookup(r, k, 4, 6)) for r in (short, long)]
+    assert counts.tolist() == [0, 3] and drafts[1].tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match=r"ngram_batched_min must be an integer in \[2, 6\]"):
+        NgramDrafter(2, 6, ngram_batched_min=7)
+    assert Drafter("ngram", ngram_batched_min=3).ngram_batched_min == 3
+
+
 def test_ngram_sizes_and_models_are_validated_by_name(verifier):
     assert Drafter("ngram").kind == "ngram" and Drafter("ngram").model is None
     assert (Drafter("ngram", ngram_min=1, ngram_max=NGRAM_LIMIT).ngram_max == NGRAM_LIMIT)

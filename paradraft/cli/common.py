@@ -71,13 +71,20 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, default=None, metavar="N",
                    help="the ngram drafter's longest suffix, at most "
                         f"{NGRAM_LIMIT} (default {NgramDrafter.ngram_max})")
+    p.add_argument("--ngram-batched-min", type=int, default=None, metavar="N",
+                   help="the shortest match the ngram drafter drafts from in a round of "
+                        "several requests, --ngram-min to --ngram-max (default: --ngram-min)")
+
+
+NGRAM_SIZES = ("ngram_min", "ngram_max", "ngram_batched_min")
 
 
 def ngram_sizes(args: argparse.Namespace, drafters: list[str]) -> dict[str, int]:
-    """``Drafter``'s ngram_min / ngram_max from --ngram-min / --ngram-max (unset ones: the
-    drafter's defaults); refused, naming the flag, where no ngram drafter runs."""
-    sizes = {name: getattr(args, name) for name in ("ngram_min", "ngram_max")
-             if getattr(args, name) is not None}
+    """``Drafter``'s ngram_min / ngram_max / ngram_batched_min from --ngram-min /
+    --ngram-max / --ngram-batched-min (unset ones: the drafter's defaults); refused, naming
+    the flag, where no ngram drafter runs."""
+    sizes = {name: getattr(args, name) for name in NGRAM_SIZES
+             if getattr(args, name, None) is not None}
     if sizes and "ngram" not in drafters:
         flag = "--" + next(iter(sizes)).replace("_", "-")
         raise ValueError(f"{flag} is for the ngram drafter; the drafters here: "

@@ -16,7 +16,7 @@ from paradraft.runtime.backends.llamacpp import MAX_SEQUENCES
 from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
-from paradraft.runtime.drafters import DRAFTERS
+from paradraft.runtime.drafters import DRAFTERS, NgramDrafter
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
@@ -143,7 +143,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         drafter = engine_drafter(manifest, args.engines, args.drafter)
         if backend_default(manifest, args):
             drafter, k = "ngram", min(LLAMACPP_LOOKUP_K, limits["max_k"])
-            args.draft_len_schedule = {1: k, 2: 0}
+            args.draft_len_schedule = {1: k}
+            llamacpp_ngram_sizes(args)
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
         backend = manifest.get("backend")
         calibrated = calibrated_params(manifest.get("calibration"))
@@ -186,9 +187,21 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 # llama.cpp engines served on the CPU: a verify pass over n positions costs close to n plain
 # steps for small n (its kernels are compute-bound on few cores), so neither the draft model
-# nor short lookups pay; long lookups pay with one request running, not with more
+# nor short lookups pay; long lookups pay with one request running, and with more only
+# where they continue a long match, each row verifying only its own drafts
 # (docs/results.md, "Served on the CPU against llama-server")
 LLAMACPP_LOOKUP_K = 16
+LLAMACPP_NGRAM_MAX = 12
+LLAMACPP_NGRAM_BATCHED_MIN = 6
+
+
+def llamacpp_ngram_sizes(args: argparse.Namespace) -> None:
+    """The lookup's sizes for the llama.cpp default, where --ngram-* leave them unset."""
+    low = args.ngram_min or NgramDrafter.ngram_min
+    if args.ngram_max is None:
+        args.ngram_max = max(LLAMACPP_NGRAM_MAX, low)
+    if args.ngram_batched_min is None and low <= LLAMACPP_NGRAM_BATCHED_MIN <= args.ngram_max:
+        args.ngram_batched_min = LLAMACPP_NGRAM_BATCHED_MIN
 
 
 def backend_default(manifest: dict, args: argparse.Namespace) -> bool:

@@ -83,6 +83,7 @@ class LlamaCppModel:
     fused_by_default = False
     has_correction = False  # no CausalCorrection graph: logits out, correct() in torch
     owns_cache = True
+    feeds_ragged = True  # __call__ takes num_tokens: rows feed only their own drafts
 
     def __init__(self, path: str | Path, config: ModelConfig, max_batch_size: int,
                  max_positions: int, threads: int | None = None, n_ubatch: int = 512,
@@ -194,9 +195,13 @@ class LlamaCppModel:
         output_index: Tensor | None = None,
         num_layers: int | None = None,
         audit: bool = False,
+        num_tokens: Tensor | None = None,
     ) -> tuple[Tensor, None]:
         """As ``Transformer.forward``: logits [B, T or T', V] fp32. ``cache`` and ``kv_len``
-        are the decoder's and unused (llama.cpp keeps the cache)."""
+        are the decoder's and unused (llama.cpp keeps the cache). ``num_tokens`` [B]: row b
+        feeds only its first ``num_tokens[b]`` tokens (a verify pass whose rows drafted
+        different counts: on a CPU every fed token costs, and a padding token is thrown
+        away); its later positions get a copy of its last logits, which no one reads."""
         if audit:
             raise ValueError("audit=True (the attention causal audit) needs the torch "
                              "backend; llama.cpp does not return attention weights")
@@ -217,6 +222,20 @@ class LlamaCppModel:
         keep[:, :-1] &= pos[:, :-1] < pos[:, 1:]
         wants = np.zeros((B, T), bool)
         np.put_along_axis(wants, out_idx, True, axis=1)
+        ragged = None
+        if num_tokens is not None:
+            if output_index is not None:
+                raise ValueError("llama.cpp backend: num_tokens and output_index are exclusive")
+            fed = num_tokens.numpy()
+            if fed.shape != (B,) or (fed < 1).any() or (fed > T).any():
+                raise ValueError(f"num_tokens must be [{B}] integers in [1, {T}]")
+            keep &= np.arange(T)[None, :] < fed[:, None]
+            wants &= keep
+            # output row of (b, t): the row's outputs are numbered from its offset, and a
+            # position past its last fed one repeats that one's logits
+            offsets = np.cumsum(fed) - fed
+            ragged = torch.from_numpy(
+                offsets[:, None] + np.minimum(np.arange(T)[None, :], fed[:, None] - 1))
         if (wants & ~keep).any():
             raise ValueError("llama.cpp backend: an output_index points at a repeated "
                              "position; ask for the last copy")
@@ -237,10 +256,12 @@ class LlamaCppModel:
                                f"(positions up to {int(pos.max())}; max {self.max_positions})")
         self._stored[seqs] = np.where(keep, pos + 1, 0).max(1)
         # outputs come back in batch order: row by row, positions ascending
-        out = torch.empty(B, out_idx.shape[1], self.config.vocab_size)
         V = self.config.vocab_size
         logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self._ctx),
-                                       shape=(out.shape[0] * out.shape[1], V))
+                                       shape=(int(wants.sum()), V))
+        if ragged is not None:
+            return torch.from_numpy(logits)[ragged], None
+        out = torch.empty(B, out_idx.shape[1], V)
         out.view(-1, V).numpy()[:] = logits
         return out, None
 

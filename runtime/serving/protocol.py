@@ -41,6 +41,7 @@ class ServeConfig:
     # the server's drafter, or the one a request names (``drafter`` ngram) beside a model
     ngram_min: int = NgramDrafter.ngram_min
     ngram_max: int = NgramDrafter.ngram_max
+    ngram_batched_min: int | None = None  # with several requests running (NgramDrafter)
     engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
     k: int = 4
     max_slots: int = 16
@@ -146,7 +147,8 @@ class ServeConfig:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
                              f"got {self.drafter!r}")
-        NgramDrafter(self.ngram_min, self.ngram_max)  # the sizes, validated by name
+        # the sizes, validated by name
+        NgramDrafter(self.ngram_min, self.ngram_max, self.ngram_batched_min)
         check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
         for rule in self.calibrated:  # each rule's calibrated values, validated
@@ -189,13 +191,15 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
     if config.engines:
         verifier, drafters, _, manifest = load_engines(
             config.engines, draft_threads=config.draft_threads, ngram_min=config.ngram_min,
-            ngram_max=config.ngram_max, slots=slots)
+            ngram_max=config.ngram_max, ngram_batched_min=config.ngram_batched_min,
+            slots=slots)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             check_limits(manifest, slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
         lookup = drafters["ngram"]
     else:
-        lookup = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max)
+        lookup = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max,
+                         ngram_batched_min=config.ngram_batched_min)
         dtype = resolve_dtype(config.verifier, torch.device(device), config.dtype)
         verifier = load_model(config.verifier, dtype=dtype, device=device)
         if config.drafter == "self":
