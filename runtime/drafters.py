@@ -182,6 +182,11 @@ class NgramDrafter:
     # a batched verify pass costs about a plain token per drafted position, so only drafts
     # that are nearly always right pay there: those that continue a long match (a copy)
     ngram_batched_min: int | None = None
+    # also search the server's other cache slots (earlier requests' prompts and answers,
+    # the other groups' running requests): a retry, a regenerated answer or a template the
+    # server keeps producing is drafted from the last time. Lossless as any draft, but a
+    # request's speed then depends on what others sent (a timing side channel): off by default
+    ngram_shared: bool = False
 
     def __post_init__(self) -> None:
         for name, low, high in (("ngram_min", 1, NGRAM_LIMIT),
@@ -196,8 +201,11 @@ class NgramDrafter:
                           "ngram_batched_min": " (ngram_min to ngram_max)"}.get(name, "")
                 raise ValueError(f"{name} must be an integer in [{low}, {high}]{bounds}; "
                                  f"got {value!r}")
+        if not isinstance(self.ngram_shared, bool):
+            raise ValueError(f"ngram_shared must be true or false; got {self.ngram_shared!r}")
 
-    def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int
+    def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int,
+               shared: Tensor | None = None, shared_lengths: Tensor | None = None
                ) -> tuple[Tensor, Tensor]:
         """Drafts [B, k] and how many of each row's are real, [B] in [0, k] (0: no match).
 
@@ -205,28 +213,65 @@ class NgramDrafter:
         stale); ``history`` > max(lengths): the columns that can hold a row's tokens. Every
         end position e < lengths[b] of an earlier occurrence is scored at once: the length
         of the match ending there (up to ``ngram_max`` compares), then recency. With several
-        rows a match must be ``ngram_batched_min`` long, where set."""
-        dev = tokens.device
+        rows a match must be ``ngram_batched_min`` long, where set.
+
+        ``shared`` [S, T'] (newest at ``shared_lengths``, ``history`` > their max too): other
+        sequences searched as well (``ngram_shared``: the server's other cache slots, earlier
+        requests' prompts and answers); a match there is taken where it is longer, or as long
+        with more to follow, than the row's own best."""
+        suffix = tokens.gather(1, (lengths[:, None] - torch.arange(
+            self.ngram_max, device=tokens.device)).clamp(min=0))  # [B, n_max]
+        shortest = self.ngram_min if tokens.shape[0] == 1 or self.ngram_batched_min is None \
+            else self.ngram_batched_min
+        key, best = self._best_match(suffix, tokens[:, None], lengths[:, None], k, history,
+                                     shortest)  # [B, 1]
+        key, best, source = key[:, 0], best[:, 0], tokens
+        if shared is not None and shared.shape[0]:
+            key_s, best_s = self._best_match(suffix, shared[None], shared_lengths[None], k,
+                                             history, shortest)  # [B, S]
+            key_s, slot = key_s.max(1)
+            best_s = best_s.gather(1, slot[:, None])[:, 0]
+            take = key_s > key  # ties: the row's own
+            key = torch.where(take, key_s, key)
+            best = torch.where(take, best_s, best)
+            own = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], max(
+                0, shared.shape[1] - tokens.shape[1]))], 1)
+            other = torch.cat([shared, shared.new_zeros(shared.shape[0], max(
+                0, tokens.shape[1] - shared.shape[1]))], 1)[slot]
+            source = torch.where(take[:, None], other, own)
+            end = torch.where(take, shared_lengths[slot], lengths)
+        else:
+            end = lengths
+        found = key >= 0
+        counts = torch.where(found, (end - best).clamp(max=k), 0)
+        follow = (best[:, None] + 1 + torch.arange(k, device=tokens.device)).clamp(
+            max=end[:, None])
+        return source.gather(1, follow), counts
+
+    def _best_match(self, suffix: Tensor, seqs: Tensor, seq_lengths: Tensor, k: int,
+                    history: int, shortest: int) -> tuple[Tensor, Tensor]:
+        """For each row's ``suffix`` [B, n_max] (newest last-first) and each of the sequences
+        ``seqs`` [B or 1, S, T] (newest at ``seq_lengths`` [B or 1, S]): the best match's key
+        (its length, then the tokens to follow it, at most k; -1: none of ``shortest``
+        tokens) and where it ends, each [B, S]."""
+        dev = suffix.device
         ends = torch.arange(history - 1, device=dev)  # e: where an earlier occurrence ends
         back = torch.arange(self.ngram_max, device=dev)
         starts = ends - back[:, None]  # [n_max, E]: e - i, the i-th token back from e
-        earlier = tokens[:, starts.clamp(min=0)]  # [B, n_max, E]
-        suffix = tokens.gather(1, (lengths[:, None] - back).clamp(min=0))  # [B, n_max]
-        same = (earlier == suffix[:, :, None]) & (starts >= 0)
-        run = same.int().cumprod(1).sum(1)  # [B, E]: length of the match ending at e
-        run = run * (ends < lengths[:, None])  # only before the newest token
+        earlier = seqs[:, :, starts.clamp(min=0)]  # [B|1, S, n_max, E]
+        same = (earlier == suffix[:, None, :, None]) & (starts >= 0)
+        run = same.int().cumprod(2).sum(2)  # [B, S, E]: length of the match ending at e
+        run = run * (ends < seq_lengths[..., None])  # only before the newest token
         # what followed it, up to the newest token: the longest match, then the one with the
         # most of K to follow (in a loop of period p < K the latest match has p), then the
-        # most recent; below ngram_min: none
-        follows = (lengths[:, None] - ends).clamp(max=k)
-        shortest = self.ngram_min if tokens.shape[0] == 1 or self.ngram_batched_min is None \
-            else self.ngram_batched_min
-        score = torch.where(run >= shortest, (run * (k + 1) + follows) * history + ends, -1)
-        best = score.argmax(1)
-        found = score.gather(1, best[:, None])[:, 0] >= 0
-        counts = torch.where(found, (lengths - best).clamp(max=k), 0)
-        follow = (best[:, None] + 1 + torch.arange(k, device=dev)).clamp(max=lengths[:, None])
-        return tokens.gather(1, follow), counts
+        # most recent; below the shortest: none
+        follows = (seq_lengths[..., None] - ends).clamp(max=k)
+        key = run * (k + 1) + follows
+        score = torch.where(run >= shortest, key * history + ends, -1)
+        best = score.argmax(-1)  # [B, S]
+        key = torch.where(score.gather(-1, best[..., None])[..., 0] >= 0,
+                          key.gather(-1, best[..., None])[..., 0], -1)
+        return key, best
 
 
 AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter
@@ -234,7 +279,8 @@ AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter
 
 def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None = None,
             mask_token_id: int | None = None, ngram_min: int | None = None,
-            ngram_max: int | None = None, ngram_batched_min: int | None = None) -> AnyDrafter:
+            ngram_max: int | None = None, ngram_batched_min: int | None = None,
+            ngram_shared: bool | None = None) -> AnyDrafter:
     """The drafter of ``kind`` (the CLI's ``--drafter`` names) over ``model`` (none for the
     model-free ``ngram``)."""
     if kind not in DRAFTERS:
@@ -245,7 +291,8 @@ def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None 
         raise ValueError(f"mask_token_id is for the parallel drafter only; got {mask_token_id} "
                          f"for {kind!r}")
     sizes = {name: v for name, v in (("ngram_min", ngram_min), ("ngram_max", ngram_max),
-                                     ("ngram_batched_min", ngram_batched_min))
+                                     ("ngram_batched_min", ngram_batched_min),
+                                     ("ngram_shared", ngram_shared))
              if v is not None}
     if kind == "ngram":
         if model is not None:

@@ -22,6 +22,7 @@ random numbers, so they give the same tokens.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,7 @@ from .threads import glue_threads
 # before the split, and the Python API keeps working from there
 __all__ = ["Drafter", "GenerationResult", "SpecStats", "SpeculativeDecoder", "aggregate"]
 log = logging.getLogger("paradraft")
+ANSWERS_KEPT = 16  # ended requests the n-gram lookup searches (ngram_shared)
 MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-of-turn ids)
 EosIds = int | Sequence[int] | None
 FUSED_MODES = ("on", "off", "auto")
@@ -350,6 +352,7 @@ class SpeculativeDecoder:
         """Stop handling for one row, on the host: keep ``tokens`` up to the first end id and
         within max_new_tokens. Returns the kept tokens and whether the row runs on."""
         eos = self.host_eos[slot]
+        given = len(tokens)  # the block, as host_tokens ends with it
         ended = False
         for i, t in enumerate(tokens):
             if t in eos:
@@ -357,7 +360,34 @@ class SpeculativeDecoder:
                 break
         kept = tokens[: self.host_limit[slot] - self.host_generated[slot]]
         self.host_generated[slot] += len(kept)
-        return kept, not ended and self.host_generated[slot] < self.host_limit[slot]
+        alive = not ended and self.host_generated[slot] < self.host_limit[slot]
+        if not alive and self.lookup_shared:  # its prompt and answer, for later lookups
+            held = self.host_tokens[slot]
+            self.answers.append(held[: len(held) - given + len(kept)])
+            self.answers_tensors = None
+        return kept, alive
+
+    @property
+    def lookup_shared(self) -> bool:
+        lookup = self.drafter if self.lookup is None else self.lookup
+        return bool(getattr(lookup, "ngram_shared", False))
+
+    def _shared_lookup(self) -> dict[str, Tensor]:
+        """The n-gram lookup's shared sequences: the prompts and answers of the last
+        ``ANSWERS_KEPT`` requests that ended (kept apart from the cache slots, which a retry
+        of the same prompt overwrites as it goes), as [M, T] tokens and [M] newest indices."""
+        if not self.answers:
+            return {}
+        if self.answers_tensors is None:
+            width = self.tokens.shape[1]
+            seqs = [a[:width] for a in self.answers]
+            tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, a in enumerate(seqs):
+                tokens[i, : len(a)] = torch.tensor(a)
+            self.answers_tensors = {
+                "shared": tokens.to(self.device),
+                "shared_lengths": torch.tensor([len(a) - 1 for a in seqs], device=self.device)}
+        return self.answers_tensors
 
     def _rows(self, slots: list[int]) -> tuple[Tensor, Tensor | None]:
         """The rows tensor of ``slots`` and the engine's ``rows`` argument: None for slots
@@ -418,7 +448,11 @@ class SpeculativeDecoder:
         found_host = [0] * B
         if k and any(by_lookup):
             history = max(self.host_lengths[s] for s in slots) + 1
-            looked, found = lookup.lookup(tokens, lengths, k, history)
+            shared = self._shared_lookup() if lookup.ngram_shared else {}
+            if shared:
+                history = max(history, max(len(a) for a in self.answers))
+            looked, found = lookup.lookup(tokens, lengths, k, min(history, tokens.shape[1]),
+                                          **shared)
             if self.calibrating:  # time a full block whatever the dummy prompt matches
                 found = torch.full_like(found, k)
             found = torch.minimum(found, self.k_rows[rows])
@@ -581,6 +615,9 @@ class SpeculativeDecoder:
         self._rows_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         # host mirrors of lengths and K, kept by each round's single transfer
         self.host_lengths = [0] * S
+        # the ended requests' prompts and answers (the n-gram lookup's ngram_shared)
+        self.answers: collections.deque[list[int]] = collections.deque(maxlen=ANSWERS_KEPT)
+        self.answers_tensors: dict[str, Tensor] | None = None
         self.host_k = [width] * S
         self.host_lookup = [False] * S
         self.host_pinned = [False] * S  # the request named its K: the policy leaves it be

@@ -92,6 +92,86 @@ def test_batched_rounds_draft_only_from_long_matches():
     assert Drafter("ngram", ngram_batched_min=3).ngram_batched_min == 3
 
 
+def match_key(row: list[int], seq: list[int], newest: int, k: int, n_min: int, n_max: int
+              ) -> list[tuple[int, int]]:
+    """Every (key, end) of an occurrence in ``seq`` (its tokens up to ``newest``) of the row's
+    suffix, of n_min..n_max tokens: key = match length * (k + 1) + the tokens after it (<= k).
+    (A suffix longer than the row repeats its first token, as the lookup's does.)"""
+    out = []
+    for e in range(newest):
+        run = 0
+        while run < n_max and e - run >= 0 and seq[e - run] == row[max(len(row) - 1 - run, 0)]:
+            run += 1
+        if run >= n_min:
+            out.append((run * (k + 1) + min(k, newest - e), e))
+    return out
+
+
+def test_shared_lookup_takes_a_longer_match_from_other_sequences():
+    """ngram_shared: the best match over the row and the other sequences (longer, or as long
+    with more to follow; ties stay with the row), drafting what followed it there."""
+    g = torch.Generator().manual_seed(3)
+    d = NgramDrafter(1, 4, ngram_shared=True)
+    B, S, T, k = 24, 5, 40, 5
+    tokens = torch.randint(0, 4, (B, T), generator=g)
+    lengths = torch.randint(1, 30, (B,), generator=g)
+    shared = torch.randint(0, 4, (S, T), generator=g)
+    shared_lengths = torch.randint(0, 39, (S,), generator=g)
+    history = int(max(lengths.max(), shared_lengths.max())) + 1
+    drafts, counts = d.lookup(tokens, lengths, k, history, shared, shared_lengths)
+    took_shared = 0
+    for b in range(B):
+        row = tokens[b, : lengths[b] + 1].tolist()
+        own = match_key(row, row, len(row) - 1, k, 1, 4)
+        others = [(key, e, s) for s in range(S) for key, e in match_key(
+            row, shared[s].tolist(), int(shared_lengths[s]), k, 1, 4)]
+        best_own = max((key for key, _ in own), default=-1)
+        best_other = max((key for key, _, _ in others), default=-1)
+        if best_other > best_own:
+            took_shared += 1
+            want = {tuple(shared[s, e + 1: e + 1 + min(k, int(shared_lengths[s]) - e)].tolist())
+                    for key, e, s in others if key == best_other}
+        else:
+            want = {tuple(row[e + 1: e + 1 + min(k, len(row) - 1 - e)])
+                    for key, e in own if key == best_own} or {()}
+        got = tuple(drafts[b, : counts[b]].tolist())
+        assert got in want, b
+    assert 0 < took_shared < B
+    # without shared sequences it is the row's own lookup
+    alone, n = d.lookup(tokens, lengths, k, history)
+    want_alone = NgramDrafter(1, 4).lookup(tokens, lengths, k, history)
+    assert torch.equal(n, want_alone[1]) and torch.equal(alone, want_alone[0])
+
+
+def test_served_shared_lookup_drafts_a_repeated_request_from_its_last_answer(pair):
+    """The same prompt twice, one after the other: with ngram_shared the second request
+    drafts the first one's answer from its cache slot and nearly every draft is accepted;
+    both outputs equal plain decoding's."""
+    prompt = [40, 41, 42, 43, 44, 45, 46]
+    stats = {}
+    for shared in (False, True):
+        config = ServeConfig(pair[0], None, drafter="ngram", ngram_min=2, ngram_max=4, k=4,
+                             max_slots=1, max_seq_len=96, max_input_tokens=64,
+                             ngram_shared=shared, cache_slots=1)
+        scheduler = build_scheduler(config)
+        try:
+            outs = []
+            for _ in range(2):
+                out, done, got = [], threading.Event(), {}
+                scheduler.submit(Request(prompt, 32, RuleParams("greedy"), out.extend,
+                                         lambda s, e, done=done, got=got: (
+                                             got.update(stats=s), done.set())))
+                assert done.wait(120)
+                outs.append((out, got["stats"]))
+        finally:
+            scheduler.stop()
+        want = plain(load_model(pair[0]), [prompt], 32)[0]
+        assert [o for o, _ in outs] == [want, want]
+        stats[shared] = outs[1][1]
+    assert stats[True].accepted_tokens > stats[False].accepted_tokens
+    assert stats[True].accepted_tokens >= 0.8 * 31
+
+
 def test_ngram_sizes_and_models_are_validated_by_name(verifier):
     assert Drafter("ngram").kind == "ngram" and Drafter("ngram").model is None
     assert (Drafter("ngram", ngram_min=1, ngram_max=NGRAM_LIMIT).ngram_max == NGRAM_LIMIT)

@@ -27,6 +27,7 @@ from paradraft.runtime.tools.bench import (
 )
 
 from .common import (
+    NGRAM_SIZES,
     add_draft_threads_arg,
     add_eval_args,
     add_fused_correction_arg,
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> None:
     meta = {"prompts": len(prompts), "prompt_file": args.prompt_file,
             "prompt_tokens": args.prompt_tokens if not args.prompt_file else None,
             "ngram": {name: getattr(d, name) for d in drafters.values() if d.kind == "ngram"
-                      for name in ("ngram_min", "ngram_max", "ngram_batched_min")} or None,
+                      for name in NGRAM_SIZES} or None,
             "max_new_tokens": args.max_new_tokens, "torch_threads": torch.get_num_threads(),
             "verifier": args.verifier, "draft": args.draft,
             "parallel_draft": args.parallel_draft, "temperature": args.temperature,

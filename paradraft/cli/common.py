@@ -74,9 +74,14 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-batched-min", type=int, default=None, metavar="N",
                    help="the shortest match the ngram drafter drafts from in a round of "
                         "several requests, --ngram-min to --ngram-max (default: --ngram-min)")
+    p.add_argument("--ngram-shared", choices=("on", "off"), default=None,
+                   type=str.lower,
+                   help="the ngram drafter also searches the other cache slots: earlier "
+                        "requests' prompts and answers (default: off; on for a llama.cpp "
+                        "engine dir's serve default)")
 
 
-NGRAM_SIZES = ("ngram_min", "ngram_max", "ngram_batched_min")
+NGRAM_SIZES = ("ngram_min", "ngram_max", "ngram_batched_min", "ngram_shared")
 
 
 def ngram_sizes(args: argparse.Namespace, drafters: list[str]) -> dict[str, int]:
@@ -85,6 +90,8 @@ def ngram_sizes(args: argparse.Namespace, drafters: list[str]) -> dict[str, int]
     the flag, where no ngram drafter runs."""
     sizes = {name: getattr(args, name) for name in NGRAM_SIZES
              if getattr(args, name, None) is not None}
+    if "ngram_shared" in sizes:  # on / off
+        sizes["ngram_shared"] = sizes["ngram_shared"] in ("on", True)
     if sizes and "ngram" not in drafters:
         flag = "--" + next(iter(sizes)).replace("_", "-")
         raise ValueError(f"{flag} is for the ngram drafter; the drafters here: "

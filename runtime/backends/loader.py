@@ -35,6 +35,7 @@ def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
     draft_threads: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
     slots: int | None = None, ngram_batched_min: int | None = None,
+    ngram_shared: bool | None = None,
 ) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
@@ -44,8 +45,8 @@ def load_engines(
     Runtime, where a draft call is a few hundred tiny nodes and waking a second
     (non-spinning) worker for them costs more than it saves (docs/results.md); ``threads``
     for llama.cpp, whose draft step is a whole model's matrix products. ``ngram_min`` /
-    ``ngram_max`` / ``ngram_batched_min``: the ngram drafter's suffix lengths (default:
-    NgramDrafter's). ``slots``:
+    ``ngram_max`` / ``ngram_batched_min`` / ``ngram_shared``: the ngram drafter's settings
+    (default: NgramDrafter's). ``slots``:
     the cache slots of an engine that keeps its own cache (llama.cpp's sequences; default:
     the limits' max_batch_size), which a server's prefix cache may make more than the rows
     of a round."""
@@ -98,6 +99,6 @@ def load_engines(
             # a separate draft engine only drafts
             drafters[kind] = Drafter(kind, engine(name, draft_threads))
     drafters["ngram"] = Drafter("ngram", ngram_min=ngram_min, ngram_max=ngram_max,
-                                ngram_batched_min=ngram_batched_min)
+                                ngram_batched_min=ngram_batched_min, ngram_shared=ngram_shared)
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest

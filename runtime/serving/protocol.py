@@ -42,6 +42,7 @@ class ServeConfig:
     ngram_min: int = NgramDrafter.ngram_min
     ngram_max: int = NgramDrafter.ngram_max
     ngram_batched_min: int | None = None  # with several requests running (NgramDrafter)
+    ngram_shared: bool = False  # the lookup searches the other cache slots too
     engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
     k: int = 4
     max_slots: int = 16
@@ -148,7 +149,7 @@ class ServeConfig:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; "
                              f"got {self.drafter!r}")
         # the sizes, validated by name
-        NgramDrafter(self.ngram_min, self.ngram_max, self.ngram_batched_min)
+        NgramDrafter(self.ngram_min, self.ngram_max, self.ngram_batched_min, self.ngram_shared)
         check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
         for rule in self.calibrated:  # each rule's calibrated values, validated
@@ -192,14 +193,15 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         verifier, drafters, _, manifest = load_engines(
             config.engines, draft_threads=config.draft_threads, ngram_min=config.ngram_min,
             ngram_max=config.ngram_max, ngram_batched_min=config.ngram_batched_min,
-            slots=slots)
+            ngram_shared=config.ngram_shared, slots=slots)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             check_limits(manifest, slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
         lookup = drafters["ngram"]
     else:
         lookup = Drafter("ngram", ngram_min=config.ngram_min, ngram_max=config.ngram_max,
-                         ngram_batched_min=config.ngram_batched_min)
+                         ngram_batched_min=config.ngram_batched_min,
+                         ngram_shared=config.ngram_shared)
         dtype = resolve_dtype(config.verifier, torch.device(device), config.dtype)
         verifier = load_model(config.verifier, dtype=dtype, device=device)
         if config.drafter == "self":
