@@ -236,7 +236,7 @@ def test_serve_defaults_for_llama_cpp_engines(tiny_engines: Path):
     default = config()  # the engines' max_k is 4
     assert (default.drafter, default.k, default.draft_len_schedule) == ("ngram", 4, {1: 4})
     assert (default.ngram_min, default.ngram_max, default.ngram_batched_min) == (2, 12, 6)
-    assert default.ngram_shared is True and config("--ngram-shared", "off").ngram_shared is False
+    assert default.ngram_shared is False and config("--ngram-shared", "on").ngram_shared is True
     assert default.cache_slots == 3 * default.max_slots
     # sizes given are kept; a batched floor beyond them is left unset
     short = config("--ngram-max", "4")

@@ -77,8 +77,7 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-shared", choices=("on", "off"), default=None,
                    type=str.lower,
                    help="the ngram drafter also searches the other cache slots: earlier "
-                        "requests' prompts and answers (default: off; on for a llama.cpp "
-                        "engine dir's serve default)")
+                        "requests' prompts and answers (default: off)")
 
 
 NGRAM_SIZES = ("ngram_min", "ngram_max", "ngram_batched_min", "ngram_shared")

@@ -202,8 +202,6 @@ def llamacpp_ngram_sizes(args: argparse.Namespace) -> None:
         args.ngram_max = max(LLAMACPP_NGRAM_MAX, low)
     if args.ngram_batched_min is None and low <= LLAMACPP_NGRAM_BATCHED_MIN <= args.ngram_max:
         args.ngram_batched_min = LLAMACPP_NGRAM_BATCHED_MIN
-    if args.ngram_shared is None:
-        args.ngram_shared = "on"
 
 
 def backend_default(manifest: dict, args: argparse.Namespace) -> bool:
