@@ -193,6 +193,7 @@ class SpeculativeDecoder:
     def _step(self, slots: list[int], k: int | None) -> tuple[list[list[int]], list[bool]]:
         t0 = time.perf_counter()
         dev = self.device
+        lengths_before = [self.host_lengths[s] for s in slots]
         rows, cache_rows = self._rows(slots)
         lengths, tokens = self.lengths[rows], self.tokens[rows]
         # each row's own random numbers (its seed, its tokens so far): what a request samples
@@ -272,9 +273,14 @@ class SpeculativeDecoder:
             columns.append(k_rows[:, None])
         host = torch.cat([*columns, emitted], 1).tolist()
         out = self._account(slots, host, drafted, audited=leaked_rows is not None)
-        if k_draft and self.separate_draft:  # its cache now holds all but the newest two
-            for s in slots:
-                self.draft_valid[s] = self.host_lengths[s] - 1
+        if k_draft and self.separate_draft:
+            # the draft model fed each row its newest token and its own drafts: a model row's
+            # cache now holds all but its newest two; a lookup row kept other drafts (maybe
+            # more than the model's K), so only what was there before this round and the
+            # newest token
+            for s, before in zip(slots, lengths_before, strict=True):
+                fed = k_draft if self.drafter_of(s) == "model" else 1
+                self.draft_valid[s] = min(self.host_lengths[s] - 1, before + fed)
         t3 = time.perf_counter()
         self.last_round = (k_draft, width, draft_seconds, t3 - t1)
         # a round whose draft pass caught a row up (its lazy prefill) is no sample of a

@@ -222,6 +222,42 @@ def test_served_with_cache_hits_chunks_and_a_lazy_draft_equals_plain(tiny_engine
     assert cached[5] == len(prompts[5]) - 1
 
 
+def test_lookup_rows_drafting_past_the_models_k_keep_the_draft_cache_consistent(
+        tiny_engines: Path):
+    """A lookup row (K 4) beside a draft-model row (K 1) in one round: the lookup row may
+    advance past what the draft model fed it, so its draft cache is trusted only up to the
+    newest token it held (else the next model round feeds it past a gap); both equal plain."""
+    import threading
+
+    from paradraft.runtime.drafters import NgramDrafter
+    from paradraft.runtime.scheduler import Request, Scheduler
+
+    verifier, drafters, _, _ = load_engines(tiny_engines, threads=1, slots=3)
+    # the random verifier falls into loops of its own, which the lookup then drafts whole
+    loop = [7, 8, 9, 10, 11, 12] * 2
+    prompts = [loop, [30, 31, 32, 33], [*loop[:8], 50]]
+    plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=3,
+                               max_seq_len=96)
+    want = [plain.generate([p], 64).token_ids[0] for p in prompts]
+    verifier.reset()
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=4,
+                             max_batch_size=3, max_seq_len=96, lookup=NgramDrafter(1, 4))
+    sched = Scheduler(dec)
+    got, errors, done = [[] for _ in prompts], [], [threading.Event() for _ in prompts]
+    try:
+        for i, p in enumerate(prompts):
+            def on_done(stats, error, i=i):
+                errors.append(error)
+                done[i].set()
+            sched.submit(Request(p, 64, RuleParams("greedy"), got[i].extend, on_done,
+                                 lookup_drafts=i != 1, num_draft_tokens=4 if i != 1 else 1))
+        assert all(ev.wait(60) for ev in done)
+    finally:
+        sched.stop()
+    assert errors == [None] * 3
+    assert got == want
+
+
 def test_serve_defaults_for_llama_cpp_engines(tiny_engines: Path):
     import argparse
 

@@ -20,6 +20,7 @@ import torch
 from paradraft.runtime.backends.loader import load_engines
 from paradraft.runtime.checkpoints import chat_stop_token_ids, load_tokenizer
 from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.drafters import NgramDrafter
 from paradraft.runtime.speculative import SpeculativeDecoder
 from paradraft.runtime.tools.bench import read_prompt_file
 from paradraft.runtime.tools.fetch import model_path
@@ -80,8 +81,10 @@ def test_greedy_speculation_equals_plain_decoding(engines: Path, prompts):
 
 def test_served_with_prefix_cache_hits_equals_plain_decoding(engines: Path, prompts):
     """The scheduler as `serve` runs it (2 running, 10 cache slots, 64-token prefill chunks,
-    the draft model's lazy prefill, and the n-gram lookup per request): each prompt twice,
-    the second time read from the prefix cache; greedy tokens equal plain decoding's."""
+    the draft model's lazy prefill, and the n-gram lookup per request as the llama.cpp default
+    sizes it, K 16 beside the model's 3, with the shared lookup on, so verify passes are
+    ragged): each prompt twice, the second time read from the prefix cache and drafted from
+    its first answer; greedy tokens equal plain decoding's."""
     import threading
 
     from paradraft.runtime.scheduler import Request, Scheduler
@@ -93,9 +96,10 @@ def test_served_with_prefix_cache_hits_equals_plain_decoding(engines: Path, prom
                                max_seq_len=512)
     want = [plain.generate([p], NEW_TOKENS, eos_token_id=eos).token_ids[0] for p in prompts]
     verifier.reset()
-    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=3,
+    lookup = NgramDrafter(2, 12, ngram_batched_min=6, ngram_shared=True)
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=16,
                              max_batch_size=10, max_running=2, max_seq_len=512,
-                             lookup=drafters["ngram"])
+                             lookup=lookup)
     sched = Scheduler(dec, prefill_chunk=64)
     runs = [(i, p) for i, p in enumerate(prompts)] * 2
     got = [[] for _ in runs]
@@ -107,7 +111,8 @@ def test_served_with_prefix_cache_hits_equals_plain_decoding(engines: Path, prom
                 cached[j] = -1 if error else stats.cached_tokens
                 done[j].set()
             sched.submit(Request(p, NEW_TOKENS, RuleParams("greedy"), got[j].extend, on_done,
-                                 eos_token_id=eos, lookup_drafts=i % 2 == 1))
+                                 eos_token_id=eos, lookup_drafts=i % 2 == 1,
+                                 num_draft_tokens=16 if i % 2 else 3))
         assert all(ev.wait(600) for ev in done)
     finally:
         sched.stop()
