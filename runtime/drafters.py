@@ -7,6 +7,9 @@
 - ``NgramDrafter``: model-free prompt lookup (``lookup``, not ``propose``): the tokens that
   followed an earlier occurrence of the row's last n tokens. It drafts only where it finds
   one, so a row may draft fewer than K tokens, or none.
+- ``SuffixDrafter``: model-free suffix decoding (``lookup`` too): the row's longest suffix
+  matched in its own tokens and in earlier requests' prompts and answers, drafting the most
+  frequent continuation for as long as its estimated probability holds.
 
 ``propose`` returns the K draft tokens per row and, for sampled drafts, the distributions
 they were drawn from (the ``q`` of Leviathan et al. speculative sampling; None when greedy).
@@ -23,9 +26,10 @@ from torch import Tensor
 from .correction import STREAM_DRAFT, RowStreams, RuleParams, sample, sampling_probs
 from .model import KVCache, Transformer
 
-DRAFTERS = ("model", "parallel", "self", "ngram")
-MODEL_FREE_DRAFTERS = ("ngram",)  # need no model: an engine dir needs no graph for them
+DRAFTERS = ("model", "parallel", "self", "ngram", "suffix")
+MODEL_FREE_DRAFTERS = ("ngram", "suffix")  # need no model: an engine dir needs no graph for them
 NGRAM_LIMIT = 16  # the longest suffix the lookup matches (ngram_max's upper end)
+NGRAM_SHARED_REQUESTS = 16  # ended requests the n-gram lookup searches (ngram_shared)
 
 
 def choose_drafts(logits: Tensor, sampling: RuleParams | None, streams: RowStreams | None,
@@ -204,6 +208,11 @@ class NgramDrafter:
         if not isinstance(self.ngram_shared, bool):
             raise ValueError(f"ngram_shared must be true or false; got {self.ngram_shared!r}")
 
+    @property
+    def cached_requests(self) -> int:
+        """How many ended requests the decoder keeps for this drafter's lookups."""
+        return NGRAM_SHARED_REQUESTS if self.ngram_shared else 0
+
     def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int,
                shared: Tensor | None = None, shared_lengths: Tensor | None = None
                ) -> tuple[Tensor, Tensor]:
@@ -274,15 +283,135 @@ class NgramDrafter:
         return key, best
 
 
-AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter
+SUFFIX_DEPTH_LIMIT = 64  # the longest suffix the suffix drafter matches (suffix_depth's top)
+SUFFIX_CANDIDATES = 32  # occurrences of the longest match it weighs: the most recent ones
+
+
+@dataclass
+class SuffixDrafter:
+    """Suffix decoding (Oliaro et al., arXiv 2411.04975; ArcticInference's, vLLM's
+    ``suffix``), model-free: find the longest suffix of the row, up to ``suffix_depth``
+    tokens, that occurred before, in the row's own tokens (prompt and output so far) or in
+    the server's memory of earlier requests' prompts and answers; of the tokens that followed
+    its occurrences, draft the most frequent continuation, token by token, while the share of
+    occurrences that agree with it (the estimated probability of the draft so far) stays at
+    least ``suffix_min_prob``, and at most as many tokens as the match is long.
+
+    What a suffix tree's node holds, counted directly: the occurrences of the matched suffix
+    (its most recent ``SUFFIX_CANDIDATES``) are the node's subtree, the continuations that
+    agree with the draft for j tokens are its child's count. The most frequent continuation
+    is the one whose counts, position by position, are largest (lexicographically; then the
+    most recent). The row's own draft and the memory's compete by score, the expected number
+    of accepted tokens (the sum of the drafted positions' probabilities); ties: the row's.
+
+    The memory (``suffix_cached_requests`` ended requests, oldest evicted first) lives in the
+    decoder; its lookup costs a compare per position and depth, so its size is bounded.
+    Drafts are deterministic (q one-hot), so the ``exact`` rule stays lossless."""
+
+    kind: ClassVar[str] = "suffix"
+    model: ClassVar[None] = None
+    num_layers: ClassVar[None] = None
+    shares_verifier_cache: ClassVar[bool] = False
+    suffix_depth: int = 24  # vLLM's suffix_decoding_max_tree_depth default
+    suffix_min_prob: float = 0.1  # vLLM's suffix_decoding_min_token_prob default
+    # with several rows: on a CPU a batched drafted position costs about 0.7 of a plain
+    # token (docs/results.md), so only drafts that likely are right pay there
+    suffix_batched_min_prob: float = 0.7
+    suffix_cached_requests: int = 64  # 0: the row's own tokens only
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("suffix_depth", 1, SUFFIX_DEPTH_LIMIT),
+                                ("suffix_cached_requests", 0, 4096)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}]; got {value!r}")
+        for name in ("suffix_min_prob", "suffix_batched_min_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0.0 < value <= 1.0):
+                raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
+
+    @property
+    def cached_requests(self) -> int:
+        """How many ended requests the decoder keeps for this drafter's lookups."""
+        return self.suffix_cached_requests
+
+    def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int,
+               memory: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Drafts [B, k] and how many of each row's are real, [B] in [0, k] (0: none).
+
+        ``tokens`` [B, T]: row b's tokens, its newest at ``lengths[b]``; ``history`` >
+        max(lengths): the columns that can hold a row's tokens. ``memory`` [E]: earlier
+        requests' tokens end to end, each followed by -1 (no match or draft crosses it)."""
+        min_prob = self.suffix_min_prob if tokens.shape[0] == 1 else self.suffix_batched_min_prob
+        dev = tokens.device
+        depth = torch.arange(self.suffix_depth, device=dev)
+        suffix = tokens.gather(1, (lengths[:, None] - depth).clamp(min=0))  # newest first
+        suffix = torch.where(lengths[:, None] - depth >= 0, suffix, -2)  # -2 matches nothing
+        own = tokens[:, :history]
+        ends = torch.arange(history, device=dev)
+        drafts, counts, score = self._draft(suffix, own, ends[None] < lengths[:, None],
+                                            lengths, k, min_prob)
+        if memory is not None and memory.numel():
+            memory = memory[None].expand(tokens.shape[0], -1)
+            last = torch.full_like(lengths, memory.shape[1] - 1)
+            drafts_m, counts_m, score_m = self._draft(suffix, memory, memory >= 0, last, k,
+                                                      min_prob)
+            take = score_m > score
+            drafts = torch.where(take[:, None], drafts_m, drafts)
+            counts = torch.where(take, counts_m, counts)
+        return drafts, counts
+
+    def _draft(self, suffix: Tensor, seqs: Tensor, ends_ok: Tensor, last: Tensor, k: int,
+               min_prob: float) -> tuple[Tensor, Tensor, Tensor]:
+        """Each row's draft [B, k], its length [B] and score [B] from the occurrences in its
+        sequence ``seqs`` [B, E] (an occurrence may end where ``ends_ok``; tokens up to
+        ``last`` [B] follow it; -1 separates requests)."""
+        B, E = seqs.shape
+        dev = seqs.device
+        depth = suffix.shape[1]
+        ends = torch.arange(E, device=dev)
+        starts = ends - torch.arange(depth, device=dev)[:, None]  # [D, E]
+        earlier = seqs[:, starts.clamp(min=0)]  # [B, D, E]
+        same = (earlier == suffix[:, :, None]) & (starts >= 0)
+        run = same.int().cumprod(1).sum(1) * ends_ok  # [B, E]: match length ending at e
+        longest = run.max(1).values  # [B]
+        # the most recent occurrences of the longest match: the candidates
+        recent = torch.where((run == longest[:, None]) & (longest[:, None] > 0), ends, -1)
+        num = min(SUFFIX_CANDIDATES, E)
+        where = recent.topk(num, 1).values  # newest first; -1: no candidate
+        is_cand = where >= 0
+        follow = where.clamp(min=0)[:, :, None] + 1 + torch.arange(k, device=dev)  # [B, C, k]
+        cont = seqs.gather(1, follow.clamp(max=E - 1).flatten(1)).view(B, num, k)
+        usable = (follow <= last[:, None, None]) & (cont >= 0) & is_cand[:, :, None]
+        usable = usable.int().cumprod(2).bool()  # a continuation ends at its first gap
+        # count[b, c, j]: candidates that continue as c does for j + 1 tokens
+        agree = (cont[:, :, None] == cont[:, None]) & usable[:, :, None] & usable[:, None]
+        count = agree.int().cumprod(3).sum(2)  # [B, C, k]
+        best = is_cand.clone()
+        for j in range(k):  # the most frequent path: largest counts, position by position
+            at = torch.where(best, count[:, :, j], -1)
+            best &= at == at.max(1, keepdim=True).values
+        chosen = best.int().argmax(1)  # the first kept: the most recent
+        path = cont.gather(1, chosen[:, None, None].expand(B, 1, k))[:, 0]
+        path_count = count.gather(1, chosen[:, None, None].expand(B, 1, k))[:, 0]
+        prob = path_count.double() / is_cand.sum(1, keepdim=True).clamp(min=1)
+        cap = longest.clamp(max=k)  # drafts at most as long as the match
+        drafted = (prob >= min_prob) & (torch.arange(k, device=dev) < cap[:, None]) & (
+            path_count > 0)
+        drafted = drafted.int().cumprod(1).bool()
+        return path.clamp(min=0), drafted.sum(1), (prob * drafted).sum(1)
+
+
+AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter | SuffixDrafter
 
 
 def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None = None,
             mask_token_id: int | None = None, ngram_min: int | None = None,
             ngram_max: int | None = None, ngram_batched_min: int | None = None,
-            ngram_shared: bool | None = None) -> AnyDrafter:
+            ngram_shared: bool | None = None, **suffix_options: int | float) -> AnyDrafter:
     """The drafter of ``kind`` (the CLI's ``--drafter`` names) over ``model`` (none for the
-    model-free ``ngram``)."""
+    model-free ``ngram`` and ``suffix``); ``suffix_options``: SuffixDrafter's fields, by name."""
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {kind!r}")
     if num_layers is not None and kind != "self":
@@ -294,13 +423,20 @@ def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None 
                                      ("ngram_batched_min", ngram_batched_min),
                                      ("ngram_shared", ngram_shared))
              if v is not None}
+    unknown = set(suffix_options) - {f for f in SuffixDrafter.__dataclass_fields__}
+    if unknown:
+        raise ValueError(f"unknown drafter option {sorted(unknown)[0]!r}")
+    suffix_options = {name: v for name, v in suffix_options.items() if v is not None}
+    if kind in MODEL_FREE_DRAFTERS and model is not None:
+        raise ValueError(f"the {kind} drafter is model-free: pass no model")
+    for options, owner in ((sizes, "ngram"), (suffix_options, "suffix")):
+        if options and kind != owner:
+            raise ValueError(f"{next(iter(options))} is for the {owner} drafter only; got "
+                             f"{next(iter(options.values()))} for {kind!r}")
     if kind == "ngram":
-        if model is not None:
-            raise ValueError("the ngram drafter is model-free: pass no model")
         return NgramDrafter(**sizes)
-    if sizes:
-        raise ValueError(f"{next(iter(sizes))} is for the ngram drafter only; got "
-                         f"{next(iter(sizes.values()))} for {kind!r}")
+    if kind == "suffix":
+        return SuffixDrafter(**suffix_options)
     if model is None:
         raise ValueError(f"the {kind!r} drafter needs a model")
     if kind == "model":

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .backends.kernels import correct_for
 from .correction import MAX_K, RowStreams, RuleParams, check_k, check_range, row_randoms
-from .drafters import AnyDrafter, Drafter, NgramDrafter
+from .drafters import AnyDrafter, Drafter, NgramDrafter, SuffixDrafter
 from .k_policy import (
     RoundCosts,
     RoundPlan,
@@ -51,7 +51,6 @@ from .threads import glue_threads
 # before the split, and the Python API keeps working from there
 __all__ = ["Drafter", "GenerationResult", "SpecStats", "SpeculativeDecoder", "aggregate"]
 log = logging.getLogger("paradraft")
-ANSWERS_KEPT = 16  # ended requests the n-gram lookup searches (ngram_shared)
 MAX_STOP_IDS = 16  # end ids per request (Llama 3 lists 3, chat formats add end-of-turn ids)
 EosIds = int | Sequence[int] | None
 FUSED_MODES = ("on", "off", "auto")
@@ -104,7 +103,7 @@ class SpeculativeDecoder:
         disable_by_batch_size: int | None = None,
         draft_len_schedule: dict[int, int] | str | None = None,
         fused_correction: str = "auto",
-        lookup: NgramDrafter | None = None,
+        lookup: NgramDrafter | SuffixDrafter | None = None,
         max_running: int | None = None,
     ):
         self.verifier = verifier
@@ -113,6 +112,7 @@ class SpeculativeDecoder:
             raise ValueError("lookup is the per-request alternative to a drafter with a model; "
                              f"the drafter is {getattr(drafter, 'kind', None)!r}")
         self.lookup = lookup
+        self.clear_memory()
         self.params = params or RuleParams()
         self.k = 0 if drafter is None else k
         if drafter is not None:
@@ -367,23 +367,44 @@ class SpeculativeDecoder:
         kept = tokens[: self.host_limit[slot] - self.host_generated[slot]]
         self.host_generated[slot] += len(kept)
         alive = not ended and self.host_generated[slot] < self.host_limit[slot]
-        if not alive and self.lookup_shared:  # its prompt and answer, for later lookups
+        if not alive and self.answers.maxlen and not self.calibrating:
+            # its prompt and answer, for later lookups
             held = self.host_tokens[slot]
             self.answers.append(held[: len(held) - given + len(kept)])
             self.answers_tensors = None
         return kept, alive
 
     @property
-    def lookup_shared(self) -> bool:
-        lookup = self.drafter if self.lookup is None else self.lookup
-        return bool(getattr(lookup, "ngram_shared", False))
+    def lookup_drafter(self) -> NgramDrafter | SuffixDrafter | None:
+        """The model-free drafter rows may draft with (the decoder's own, or ``lookup``)."""
+        if self.lookup is not None:
+            return self.lookup
+        return self.drafter if self.drafter is not None and self.drafter.model is None else None
+
+    def clear_memory(self) -> None:
+        """Forget the ended requests the lookup searches (``reset`` keeps them: they are
+        the server's, not a batch's)."""
+        lookup = self.lookup_drafter
+        # the ended requests' prompts and answers (the lookup's memory), oldest evicted first
+        self.answers: collections.deque[list[int]] = collections.deque(
+            maxlen=0 if lookup is None else lookup.cached_requests)
+        self.answers_tensors: dict[str, Tensor] | None = None
+
+    @property
+    def memory_tokens(self) -> int:
+        """Tokens the lookup's memory of ended requests holds now (bounded by its size)."""
+        return sum(len(a) for a in self.answers)
 
     def _shared_lookup(self) -> dict[str, Tensor]:
-        """The n-gram lookup's shared sequences: the prompts and answers of the last
-        ``ANSWERS_KEPT`` requests that ended (kept apart from the cache slots, which a retry
-        of the same prompt overwrites as it goes), as [M, T] tokens and [M] newest indices."""
+        """The lookup's memory: the prompts and answers of the last requests that ended
+        (kept apart from the cache slots, which a retry of the same prompt overwrites as it
+        goes). For the n-gram lookup as [M, T] tokens and [M] newest indices; for the suffix
+        drafter end to end, each followed by -1."""
         if not self.answers:
             return {}
+        if self.answers_tensors is None and isinstance(self.lookup_drafter, SuffixDrafter):
+            flat = [t for a in self.answers for t in (*a, -1)]
+            self.answers_tensors = {"memory": torch.tensor(flat, device=self.device)}
         if self.answers_tensors is None:
             width = self.tokens.shape[1]
             seqs = [a[:width] for a in self.answers]
@@ -454,8 +475,8 @@ class SpeculativeDecoder:
         found_host = [0] * B
         if k and any(by_lookup):
             history = max(self.host_lengths[s] for s in slots) + 1
-            shared = self._shared_lookup() if lookup.ngram_shared else {}
-            if shared:
+            shared = self._shared_lookup()
+            if "shared" in shared:
                 history = max(history, max(len(a) for a in self.answers))
             looked, found = lookup.lookup(tokens, lengths, k, min(history, tokens.shape[1]),
                                           **shared)
@@ -621,9 +642,6 @@ class SpeculativeDecoder:
         self._rows_cache: dict[tuple[int, ...], tuple[Tensor, Tensor | None]] = {}
         # host mirrors of lengths and K, kept by each round's single transfer
         self.host_lengths = [0] * S
-        # the ended requests' prompts and answers (the n-gram lookup's ngram_shared)
-        self.answers: collections.deque[list[int]] = collections.deque(maxlen=ANSWERS_KEPT)
-        self.answers_tensors: dict[str, Tensor] | None = None
         self.host_k = [width] * S
         self.host_lookup = [False] * S
         self.host_pinned = [False] * S  # the request named its K: the policy leaves it be

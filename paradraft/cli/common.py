@@ -18,7 +18,16 @@ from paradraft.runtime.checkpoints import (
     resolve_dtype,
 )
 from paradraft.runtime.correction import RULES, RuleParams
-from paradraft.runtime.drafters import DRAFTERS, NGRAM_LIMIT, AnyDrafter, Drafter, NgramDrafter
+from paradraft.runtime.drafters import (
+    DRAFTERS,
+    MODEL_FREE_DRAFTERS,
+    NGRAM_LIMIT,
+    SUFFIX_DEPTH_LIMIT,
+    AnyDrafter,
+    Drafter,
+    NgramDrafter,
+    SuffixDrafter,
+)
 from paradraft.runtime.gguf import resolve_checkpoint, sha256_file
 from paradraft.runtime.k_policy import parse_draft_len_schedule
 from paradraft.runtime.model import Transformer
@@ -80,22 +89,47 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
                         "requests' prompts and answers (default: off)")
 
 
+    p.add_argument("--suffix-depth", type=int, default=None, metavar="N",
+                   help="the suffix drafter's longest suffix matched, 1 to "
+                        f"{SUFFIX_DEPTH_LIMIT} (default {SuffixDrafter.suffix_depth})")
+    p.add_argument("--suffix-min-prob", type=float, default=None, metavar="P",
+                   help="the suffix drafter drafts while the share of earlier occurrences "
+                        "agreeing with the draft is at least P, in (0, 1] (default "
+                        f"{SuffixDrafter.suffix_min_prob})")
+    p.add_argument("--suffix-batched-min-prob", type=float, default=None, metavar="P",
+                   help="the same with several requests in the round (default "
+                        f"{SuffixDrafter.suffix_batched_min_prob})")
+    p.add_argument("--suffix-cached-requests", type=int, default=None, metavar="N",
+                   help="ended requests (prompt and answer) the suffix drafter searches "
+                        "beside the request's own tokens, oldest evicted first; 0: none "
+                        f"(default {SuffixDrafter.suffix_cached_requests})")
+
+
 NGRAM_SIZES = ("ngram_min", "ngram_max", "ngram_batched_min", "ngram_shared")
+SUFFIX_OPTIONS = ("suffix_depth", "suffix_min_prob", "suffix_batched_min_prob",
+                  "suffix_cached_requests")
 
 
 def ngram_sizes(args: argparse.Namespace, drafters: list[str]) -> dict[str, int]:
-    """``Drafter``'s ngram_min / ngram_max / ngram_batched_min from --ngram-min /
-    --ngram-max / --ngram-batched-min (unset ones: the drafter's defaults); refused, naming
-    the flag, where no ngram drafter runs."""
-    sizes = {name: getattr(args, name) for name in NGRAM_SIZES
+    """The model-free drafters' options from --ngram-* (``Drafter``'s ngram_min, ngram_max,
+    ngram_batched_min, ngram_shared) and --suffix-* (SuffixDrafter's fields); unset ones:
+    the drafters' defaults. Refused, naming the flag, where that drafter does not run."""
+    sizes = {name: getattr(args, name) for name in NGRAM_SIZES + SUFFIX_OPTIONS
              if getattr(args, name, None) is not None}
     if "ngram_shared" in sizes:  # on / off
         sizes["ngram_shared"] = sizes["ngram_shared"] in ("on", True)
-    if sizes and "ngram" not in drafters:
-        flag = "--" + next(iter(sizes)).replace("_", "-")
-        raise ValueError(f"{flag} is for the ngram drafter; the drafters here: "
-                         f"{', '.join(drafters) or 'none'}")
+    for name in sizes:
+        owner = name.split("_")[0]
+        if owner not in drafters:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is for the {owner} drafter; the drafters here: "
+                             f"{', '.join(drafters) or 'none'}")
     return sizes
+
+
+def drafter_options(sizes: dict, kind: str) -> dict:
+    """The options of ``sizes`` (``ngram_sizes``) that belong to the drafter ``kind``."""
+    return {name: v for name, v in sizes.items() if name.startswith(kind + "_")}
 
 
 def add_acceptance_floor_arg(p: argparse.ArgumentParser) -> None:
@@ -176,8 +210,8 @@ def load_drafters(args: argparse.Namespace, verifier: Transformer) -> dict[str, 
     for n in names:
         if n == "self":
             drafters[n] = Drafter("self", verifier, num_layers=args.self_draft_layers)
-        elif n == "ngram":
-            drafters[n] = Drafter("ngram", **ngram_sizes(args, names))
+        elif n in MODEL_FREE_DRAFTERS:
+            drafters[n] = Drafter(n, **drafter_options(ngram_sizes(args, names), n))
         else:
             path = need_checkpoint(args, n)
             drafters[n] = Drafter(n, load_draft(path, args.verifier, verifier.config.vocab_size,

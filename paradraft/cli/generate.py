@@ -16,7 +16,7 @@ from paradraft.runtime.checkpoints import (
     load_tokenizer,
 )
 from paradraft.runtime.compiled import compile_decoder
-from paradraft.runtime.drafters import DRAFTERS, AnyDrafter, Drafter
+from paradraft.runtime.drafters import DRAFTERS, MODEL_FREE_DRAFTERS, AnyDrafter, Drafter
 from paradraft.runtime.model import Transformer, load_model
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -118,8 +118,8 @@ def build_decoder(args: argparse.Namespace, max_batch_size: int, max_seq_len: in
     if not args.no_speculation:
         if args.drafter == "self":
             drafter = Drafter("self", verifier, num_layers=args.self_draft_layers)
-        elif args.drafter == "ngram":
-            drafter = Drafter("ngram", **sizes)
+        elif args.drafter in MODEL_FREE_DRAFTERS:
+            drafter = Drafter(args.drafter, **sizes)
         else:
             draft_dir = args.draft
             if draft_dir is None and args.demo_models:

@@ -35,7 +35,7 @@ def load_engines(
     engine_dir: str | Path, self_draft_layers: int | None = None, threads: int | None = None,
     draft_threads: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
     slots: int | None = None, ngram_batched_min: int | None = None,
-    ngram_shared: bool | None = None,
+    ngram_shared: bool | None = None, **suffix_options: int | float,
 ) -> tuple[object, dict[str, AnyDrafter], Path | None, dict]:
     """Returns (verifier engine, {drafter kind: Drafter}, tokenizer.json path or None,
     manifest). Refuses (naming the file) an engine dir whose files are missing or changed.
@@ -46,7 +46,8 @@ def load_engines(
     (non-spinning) worker for them costs more than it saves (docs/results.md); ``threads``
     for llama.cpp, whose draft step is a whole model's matrix products. ``ngram_min`` /
     ``ngram_max`` / ``ngram_batched_min`` / ``ngram_shared``: the ngram drafter's settings
-    (default: NgramDrafter's). ``slots``:
+    (default: NgramDrafter's); ``suffix_options``: the suffix drafter's (SuffixDrafter's
+    fields, by name). ``slots``:
     the cache slots of an engine that keeps its own cache (llama.cpp's sequences; default:
     the limits' max_batch_size), which a server's prefix cache may make more than the rows
     of a round."""
@@ -100,5 +101,6 @@ def load_engines(
             drafters[kind] = Drafter(kind, engine(name, draft_threads))
     drafters["ngram"] = Drafter("ngram", ngram_min=ngram_min, ngram_max=ngram_max,
                                 ngram_batched_min=ngram_batched_min, ngram_shared=ngram_shared)
+    drafters["suffix"] = Drafter("suffix", **suffix_options)
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest

@@ -20,7 +20,7 @@ from ..backends.trt import check_limits
 from ..checkpoints import DTYPES, load_draft, resolve_dtype
 from ..compiled import compile_decoder
 from ..correction import RULES, RuleParams, check_range
-from ..drafters import DRAFTERS, Drafter, NgramDrafter
+from ..drafters import DRAFTERS, MODEL_FREE_DRAFTERS, Drafter, NgramDrafter, SuffixDrafter
 from ..k_policy import check_draft_len_schedule
 from ..model import load_model
 from ..scheduler import Scheduler
@@ -43,6 +43,11 @@ class ServeConfig:
     ngram_max: int = NgramDrafter.ngram_max
     ngram_batched_min: int | None = None  # with several requests running (NgramDrafter)
     ngram_shared: bool = False  # the lookup searches the other cache slots too
+    # the suffix drafter's (SuffixDrafter's fields): the server's drafter, where it is one
+    suffix_depth: int = SuffixDrafter.suffix_depth
+    suffix_min_prob: float = SuffixDrafter.suffix_min_prob
+    suffix_batched_min_prob: float = SuffixDrafter.suffix_batched_min_prob
+    suffix_cached_requests: int = SuffixDrafter.suffix_cached_requests
     engines: str | None = None  # an engine dir (ONNX Runtime backend) instead of checkpoints
     k: int = 4
     max_slots: int = 16
@@ -150,6 +155,7 @@ class ServeConfig:
                              f"got {self.drafter!r}")
         # the sizes, validated by name
         NgramDrafter(self.ngram_min, self.ngram_max, self.ngram_batched_min, self.ngram_shared)
+        SuffixDrafter(**self.suffix_options)
         check_calibrated(self.calibrated)
         default_params(self)  # rule, temperature, top_p and rule defaults, validated
         for rule in self.calibrated:  # each rule's calibrated values, validated
@@ -157,6 +163,12 @@ class ServeConfig:
                 rule_params(self, rule)
             except ValueError as e:
                 raise ValueError(f"calibrated[{rule!r}]: {e}") from None
+
+    @property
+    def suffix_options(self) -> dict:
+        """The suffix drafter's fields, by name."""
+        return {name: getattr(self, name) for name in SuffixDrafter.__dataclass_fields__
+                if name.startswith("suffix_")}
 
 
 def gpu_index(device: str) -> int | None:
@@ -193,7 +205,7 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
         verifier, drafters, _, manifest = load_engines(
             config.engines, draft_threads=config.draft_threads, ngram_min=config.ngram_min,
             ngram_max=config.ngram_max, ngram_batched_min=config.ngram_batched_min,
-            ngram_shared=config.ngram_shared, slots=slots)
+            ngram_shared=config.ngram_shared, slots=slots, **config.suffix_options)
         if manifest["backend"] == "tensorrt":  # plan profiles are hard limits: refuse at start
             check_limits(manifest, slots, config.max_seq_len, config.k)
         drafter = drafters[config.drafter]
@@ -208,6 +220,8 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
             drafter = Drafter("self", verifier)
         elif config.drafter == "ngram":
             drafter = lookup
+        elif config.drafter == "suffix":
+            drafter = Drafter("suffix", **config.suffix_options)
         else:
             drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
                                                          verifier.config.vocab_size,
@@ -295,7 +309,9 @@ class ParsedRequest:
 def request_drafters(config: ServeConfig) -> tuple[str, ...]:
     """The drafters a request may name: the server's, and the model-free n-gram lookup
     (every server can run it beside its own)."""
-    return tuple(dict.fromkeys((config.drafter, "ngram")))
+    if config.drafter in MODEL_FREE_DRAFTERS:  # the decoder runs one model-free drafter
+        return (config.drafter,)
+    return (config.drafter, "ngram")
 
 
 # TensorRT-LLM ensemble inputs that change nothing at these values, which its clients send

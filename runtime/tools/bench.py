@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
 from ..correction import RULES, RuleParams
-from ..drafters import AnyDrafter
+from ..drafters import MODEL_FREE_DRAFTERS, AnyDrafter
 from ..k_policy import analytic_length
 from ..metrics import SpecStats, aggregate
 from ..model import Transformer
@@ -83,6 +83,7 @@ class BenchRow:
     # where the time goes, summed over batches and repeats: draft, verify, correct, prefill,
     # other (the rest of the wall clock: Python between the phases); rounds = decoder steps
     rounds: int = 0
+    memory_tokens: int = 0  # tokens in the model-free drafter's memory of ended requests
     phase_seconds: dict = field(default_factory=dict)
     phase_share: dict = field(default_factory=dict)  # of the wall clock; sums to 1
     phase_ms_per_round: dict = field(default_factory=dict)
@@ -223,6 +224,7 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
                              draft_len_schedule="auto" if row.schedule == "auto" else None,
                              fused_correction=row.fused_correction)
     dec.generate(prompts[:batch_size], 4, seed=seed)  # warm-up (and "auto"'s calibration)
+    dec.clear_memory()  # the warm-up's answers would leak into the first prompts' drafts
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i: i + batch_size]
         row_stats: list[SpecStats] = []
@@ -271,6 +273,7 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
             row.analytic_acceptance_length = analytic_length(row.alpha_per_position, k)
         row.per_position_acceptance = total.per_position_acceptance
     row.occupancy = total.verify_steps / max(row.rounds * batch_size, 1)
+    row.memory_tokens = dec.memory_tokens  # the lookup's memory of ended requests, at the end
     return row
 
 
@@ -386,7 +389,7 @@ def plan(batch_sizes: list[int], ks: list[int], drafters: list[str], with_hf: bo
                          for lossy in RULES if lossy not in ("exact", "greedy")]
             if not sampling:
                 rows += [BenchRow("ours", d, rule, k_default, bs, sampling, schedule="auto")
-                         for d in drafters if d != "ngram"]
+                         for d in drafters if d not in MODEL_FREE_DRAFTERS]
             if with_hf and not sampling:
                 rows.append(BenchRow("hf", "generate", "greedy", 0, bs, False))
                 if bs == 1 and "model" in drafters:
