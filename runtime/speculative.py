@@ -143,8 +143,10 @@ class SpeculativeDecoder:
         check_range("acceptance_floor", acceptance_floor, 0.0, 1.0)
         # each drafter's own running acceptance: the model's drafts and the lookup's differ
         # too much for one α to steer both
-        self.monitors = {name: AcceptanceMonitor(floor=acceptance_floor, name=name)
-                         for name in ("model", "ngram")}
+        # (the model-free drafter's under "ngram", named by its kind)
+        lookup_kind = getattr(self.lookup_drafter, "kind", "ngram")
+        self.monitors = {name: AcceptanceMonitor(floor=acceptance_floor, name=label)
+                         for name, label in (("model", "model"), ("ngram", lookup_kind))}
         self.primary = "ngram" if drafter is not None and drafter.model is None else "model"
         self.adaptive_k = adaptive_k
         self.audit_epsilon = audit_epsilon

@@ -18,6 +18,7 @@ from paradraft.cli.main import main
 from paradraft.runtime import gguf as g
 from paradraft.runtime.backends.loader import load_engines
 from paradraft.runtime.correction import RuleParams
+from paradraft.runtime.drafters import SuffixDrafter
 from paradraft.runtime.model import load_config, load_model, new_kv_cache
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -146,7 +147,7 @@ def test_engine_dir_stands_alone(tiny_engines: Path, tiny_pair):
     assert (tiny_engines / "verifier.gguf").read_bytes() == tiny_pair[0].read_bytes()
     verifier, drafters, tokenizer, _ = load_engines(tiny_engines, threads=1)
     assert tokenizer == tiny_engines / "tokenizer.json"
-    assert sorted(drafters) == ["model", "ngram"]
+    assert sorted(drafters) == ["model", "ngram", "suffix"]  # the model-free ones: always
     assert verifier.owns_cache and drafters["model"].model.threads == 1
 
 
@@ -270,16 +271,18 @@ def test_serve_defaults_for_llama_cpp_engines(tiny_engines: Path):
                                                      *argv]))
 
     default = config()  # the engines' max_k is 4
-    assert (default.drafter, default.k, default.draft_len_schedule) == ("ngram", 4, {1: 4})
-    assert (default.ngram_min, default.ngram_max, default.ngram_batched_min) == (2, 12, 6)
-    assert default.ngram_shared is False and config("--ngram-shared", "on").ngram_shared is True
+    assert (default.drafter, default.k, default.draft_len_schedule) == ("suffix", 4, {1: 4})
+    assert default.suffix_options == SuffixDrafter().__dict__  # SuffixDrafter's defaults
+    assert config("--suffix-batched-min-prob", "0.9").suffix_batched_min_prob == 0.9
+    with pytest.raises(ValueError, match=r"suffix_depth must be an integer in \[1, 64\]"):
+        config("--suffix-depth", "65")
     assert default.cache_slots == 3 * default.max_slots
-    # sizes given are kept; a batched floor beyond them is left unset
-    short = config("--ngram-max", "4")
-    assert (short.ngram_max, short.ngram_batched_min) == (4, None)
-    assert config("--ngram-batched-min", "3").ngram_batched_min == 3
-    with pytest.raises(ValueError, match=r"ngram_batched_min must be an integer in \[2, 12\]"):
-        config("--ngram-batched-min", "13")
+    # the n-gram lookup's options have no use on a suffix server: refused by name
+    with pytest.raises(ValueError, match="--ngram-max is for the ngram drafter; the drafters "
+                                         "here: suffix"):
+        config("--ngram-max", "4")
+    ngram = config("--drafter", "ngram", "--ngram-max", "12", "--ngram-shared", "on")
+    assert (ngram.drafter, ngram.ngram_max, ngram.ngram_shared) == ("ngram", 12, True)
     chosen = config("--drafter", "model")
     assert (chosen.drafter, chosen.k, chosen.draft_len_schedule) == ("model", 4, "auto")
 

@@ -16,7 +16,7 @@ from paradraft.runtime.backends.llamacpp import MAX_SEQUENCES
 from paradraft.runtime.backends.manifest import engine_drafter, read_manifest
 from paradraft.runtime.checkpoints import DEMO_DIR, DTYPES, chat_template, resolve_device
 from paradraft.runtime.correction import RULES
-from paradraft.runtime.drafters import DRAFTERS, NgramDrafter
+from paradraft.runtime.drafters import DRAFTERS, MODEL_FREE_DRAFTERS
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
@@ -142,9 +142,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         check_engine_placement(manifest, args)
         drafter = engine_drafter(manifest, args.engines, args.drafter)
         if backend_default(manifest, args):
-            drafter, k = "ngram", min(LLAMACPP_LOOKUP_K, limits["max_k"])
+            drafter, k = "suffix", min(LLAMACPP_LOOKUP_K, limits["max_k"])
             args.draft_len_schedule = {1: k}
-            llamacpp_ngram_sizes(args)
         eos = tuple(manifest["models"]["verifier"]["config"]["eos_token_ids"])
         backend = manifest.get("backend")
         calibrated = calibrated_params(manifest.get("calibration"))
@@ -180,28 +179,18 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        prefix_cache=args.prefix_cache,
                        cache_slots=cache_slots_arg(args, backend, max_slots),
                        prefill_chunk=args.prefill_chunk or None,
-                       # every server can draft a request with the lookup (its drafter
-                       # "ngram"), so the sizes always apply
-                       **ngram_sizes(args, [drafter, "ngram"]))
+                       # a server with a draft model can draft a request with the n-gram
+                       # lookup (its drafter "ngram"), so its sizes apply there too
+                       **ngram_sizes(args, [drafter] if drafter in MODEL_FREE_DRAFTERS
+                                     else [drafter, "ngram"]))
 
 
 # llama.cpp engines served on the CPU: a verify pass over n positions costs close to n plain
 # steps for small n (its kernels are compute-bound on few cores), so neither the draft model
-# nor short lookups pay; long lookups pay with one request running, and with more only
-# where they continue a long match, each row verifying only its own drafts
-# (docs/results.md, "Served on the CPU against llama-server")
+# nor short, unsure drafts pay; the suffix drafter drafts long where its matches are long and
+# its continuations agree, each row verifying only its own drafts (docs/results.md, "Served
+# on the CPU against llama-server")
 LLAMACPP_LOOKUP_K = 16
-LLAMACPP_NGRAM_MAX = 12
-LLAMACPP_NGRAM_BATCHED_MIN = 6
-
-
-def llamacpp_ngram_sizes(args: argparse.Namespace) -> None:
-    """The lookup's sizes for the llama.cpp default, where --ngram-* leave them unset."""
-    low = args.ngram_min or NgramDrafter.ngram_min
-    if args.ngram_max is None:
-        args.ngram_max = max(LLAMACPP_NGRAM_MAX, low)
-    if args.ngram_batched_min is None and low <= LLAMACPP_NGRAM_BATCHED_MIN <= args.ngram_max:
-        args.ngram_batched_min = LLAMACPP_NGRAM_BATCHED_MIN
 
 
 def backend_default(manifest: dict, args: argparse.Namespace) -> bool:
