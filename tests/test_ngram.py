@@ -143,6 +143,15 @@ def test_shared_lookup_takes_a_longer_match_from_other_sequences():
     assert torch.equal(n, want_alone[1]) and torch.equal(alone, want_alone[0])
 
 
+def serve_alone(scheduler, prompt: list[int], new_tokens: int) -> tuple[list[int], object]:
+    """One greedy request through ``scheduler``, waited for: its tokens and its stats."""
+    out, done, got = [], threading.Event(), {}
+    scheduler.submit(Request(prompt, new_tokens, RuleParams("greedy"), out.extend,
+                             lambda s, e: (got.update(stats=s), done.set())))
+    assert done.wait(120)
+    return out, got["stats"]
+
+
 def test_served_shared_lookup_drafts_a_repeated_request_from_its_last_answer(pair):
     """The same prompt twice, one after the other: with ngram_shared the second request
     drafts the first one's answer from its cache slot and nearly every draft is accepted;
@@ -155,14 +164,7 @@ def test_served_shared_lookup_drafts_a_repeated_request_from_its_last_answer(pai
                              ngram_shared=shared, cache_slots=1)
         scheduler = build_scheduler(config)
         try:
-            outs = []
-            for _ in range(2):
-                out, done, got = [], threading.Event(), {}
-                scheduler.submit(Request(prompt, 32, RuleParams("greedy"), out.extend,
-                                         lambda s, e, done=done, got=got: (
-                                             got.update(stats=s), done.set())))
-                assert done.wait(120)
-                outs.append((out, got["stats"]))
+            outs = [serve_alone(scheduler, prompt, 32) for _ in range(2)]
         finally:
             scheduler.stop()
         want = plain(load_model(pair[0]), [prompt], 32)[0]

@@ -2,16 +2,13 @@
 of ended requests (bounded, oldest evicted first), and that decoding with it stays lossless,
 in process and served."""
 
-import threading
-
 import pytest
 import torch
-from test_ngram import PROMPTS, plain
+from test_ngram import PROMPTS, plain, serve_alone
 
 from paradraft.runtime.correction import RuleParams
 from paradraft.runtime.drafters import SUFFIX_CANDIDATES, Drafter, SuffixDrafter
 from paradraft.runtime.model import load_model
-from paradraft.runtime.scheduler import Request
 from paradraft.runtime.serving.protocol import ServeConfig, build_scheduler
 from paradraft.runtime.speculative import SpeculativeDecoder
 
@@ -154,12 +151,7 @@ def test_memory_keeps_the_last_requests_and_a_retry_drafts_its_last_answer(pair)
     try:
         outs = []
         for prompt in (*prompts, prompts[0], prompts[0]):
-            out, done, got = [], threading.Event(), {}
-            scheduler.submit(Request(prompt, 32, RuleParams("greedy"), out.extend,
-                                     lambda s, e, done=done, got=got: (
-                                         got.update(stats=s), done.set())))
-            assert done.wait(120)
-            outs.append((out, got["stats"]))
+            outs.append(serve_alone(scheduler, prompt, 32))
             assert len(decoder.answers) <= 2
         held = [a[: len(prompts[0])] for a in decoder.answers]
     finally:
