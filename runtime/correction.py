@@ -36,6 +36,13 @@ RULES = ("exact", "greedy", "threshold", "ratio", "dynamic", "typical")
 MAX_K = 64
 
 
+# each sampling and rule parameter's range: (low, high, whether low itself is excluded)
+PARAMETER_RANGES = {
+    "temperature": (0.0, 100.0, True), "top_p": (0.0, 1.0, True), "tau": (0.0, 1.0, False),
+    "gamma": (0.0, 1e6, True), "alpha": (0.0, 100.0, False), "epsilon": (0.0, 1.0, False),
+    "delta": (0.0, 1e6, False)}
+
+
 @dataclass(frozen=True)
 class RuleParams:
     """Correction rule and sampling parameters (validated on construction)."""
@@ -53,13 +60,8 @@ class RuleParams:
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}; got {self.rule!r}")
-        check_range("temperature", self.temperature, 0.0, 100.0, low_open=True)
-        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        check_range("tau", self.tau, 0.0, 1.0)
-        check_range("gamma", self.gamma, 0.0, 1e6, low_open=True)
-        check_range("alpha", self.alpha, 0.0, 100.0)
-        check_range("epsilon", self.epsilon, 0.0, 1.0)
-        check_range("delta", self.delta, 0.0, 1e6)
+        for name, (low, high, low_open) in PARAMETER_RANGES.items():
+            check_range(name, getattr(self, name), low, high, low_open)
 
     @property
     def is_greedy(self) -> bool:

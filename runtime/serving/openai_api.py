@@ -13,10 +13,9 @@ runs in its own process (``start_openai_server``), so a load generator or a test
 its interpreter.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,26 +26,35 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
+from ..correction import PARAMETER_RANGES
 from .client import MODEL, answers, is_final, raw_outputs, raw_request
+from .openai_schema import (
+    INT32_MAX,
+    MAX_STOP,
+    REQUESTS,
+    RULE_PARAMETERS,
+    TEMPERATURE_MAX,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    Health,
+    ModelList,
+    json_integer,
+    request_fields,
+    validate_body,
+)
 
-MAX_STOP = 16  # stop strings per request
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
-# fields accepted because they change nothing in the output
-NO_EFFECT = {"user", "metadata", "store", "service_tier", "stream_options",
-             "parallel_tool_calls"}
-COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
-          "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-          # extra body fields: ours (speculation and the correction rule), and vLLM's
-          "num_draft_tokens", "drafter", "correction_rule", "tau", "gamma", "alpha", "epsilon",
-          "delta",
-          "ignore_eos", "top_k", "min_tokens", "repetition_penalty"}
-FIELDS = {
-    "completions": COMMON | NO_EFFECT | {"prompt", "best_of", "echo", "suffix"},
-    "chat": COMMON | NO_EFFECT | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                  "tool_choice", "functions", "function_call",
-                                  "response_format"},
-}
-RULE_PARAMETERS = ("tau", "gamma", "alpha", "epsilon", "delta")
+# one server-sent event of a streamed response: a JSON chunk, an error, or [DONE]
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+HEALTH_TIMEOUT_S = 2.0  # how long /health waits for Triton's answer
+FP32_TINY = 2.0**-149  # the smallest positive 32-bit float
+# the request fields: every one is honoured, refused but at its neutral values, or accepted
+# because it changes nothing in the output (user, metadata, store, service_tier,
+# parallel_tool_calls)
+FIELDS = {kind: request_fields(kind) for kind in REQUESTS}
 OUTPUTS = ("text_output", "sequence_length", "total_accepted_draft_tokens", "total_draft_tokens",
            "finish_reason", "cached_tokens")
 
@@ -106,14 +114,24 @@ def number(body: dict, name: str, low: float, high: float, low_open: bool = Fals
     return float(value)
 
 
-def integer(body: dict, name: str, low: int | None = None) -> int | None:
+def integer(body: dict, name: str, low: int | None = None, high: int | None = None
+            ) -> int | None:
     value = body.get(name)
     if value is None:
         return None
+    value = json_integer(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, f"{name} must be an integer; got {value!r}")
-    if low is not None and value < low:
-        raise invalid(name, f"{name} must be an integer >= {low}; got {value}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise invalid(name, f"{name} must be an integer in [{low}, {high}]; got {value}")
+    return value
+
+
+def fp32(value: float) -> float:
+    """``value`` as an FP32 tensor carries it, a positive value staying positive: rounded to
+    0, a top_p or temperature just above 0 would leave its allowed range."""
+    if 0 < value < FP32_TINY:
+        return FP32_TINY
     return value
 
 
@@ -171,6 +189,8 @@ def prompt_ids(body: dict, tokenizer) -> list[int]:
         if not prompt:
             raise invalid("prompt", "prompt is empty")
         return tokenizer.encode(prompt).ids
+    if isinstance(prompt, list):
+        prompt = [json_integer(i) for i in prompt]
     if (isinstance(prompt, list) and prompt
             and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt)):
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -234,8 +254,9 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     else:
         ids = prompt_ids(body, tokenizer)
     if not 1 <= len(ids) < config.max_seq_len:
-        raise invalid("messages" if chat else "prompt",
-                      f"the prompt is {len(ids)} tokens; allowed 1..{config.max_seq_len - 1}")
+        field_name = "messages" if chat else "prompt"
+        raise invalid(field_name, f"{field_name}: the prompt is {len(ids)} tokens; allowed "
+                                  f"1..{config.max_seq_len - 1}")
     room = config.max_seq_len - len(ids)
     name = "max_tokens"
     max_tokens = integer(body, "max_tokens")
@@ -249,8 +270,8 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     inputs: dict[str, tuple[str, object]] = {
         "input_ids": ("INT32", ids), "input_lengths": ("INT32", [len(ids)]),
         "max_tokens": ("INT32", [max_tokens]), "stream": ("BOOL", [stream])}
-    temperature = number(body, "temperature", 0.0, 100.0)
-    top_p = number(body, "top_p", 0.0, 1.0, low_open=True)
+    temperature = number(body, "temperature", 0.0, TEMPERATURE_MAX)
+    top_p = number(body, "top_p", *PARAMETER_RANGES["top_p"])
     rule = body.get("correction_rule")
     if rule is not None and not isinstance(rule, str):
         raise invalid("correction_rule", f"correction_rule must be a string; got {rule!r}")
@@ -261,19 +282,19 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
         rule = "greedy"
     else:
         if temperature is not None:
-            inputs["temperature"] = ("FP32", [temperature])
+            inputs["temperature"] = ("FP32", [fp32(temperature)])
         if top_p is not None:
-            inputs["top_p"] = ("FP32", [top_p])
+            inputs["top_p"] = ("FP32", [fp32(top_p)])
     if rule is not None:
         inputs["correction_rule"] = ("BYTES", [rule.encode()])
     for name in RULE_PARAMETERS:
-        value = number(body, name, -1e9, 1e9)
+        value = number(body, name, *PARAMETER_RANGES[name])
         if value is not None:
-            inputs[name] = ("FP32", [value])
-    seed = integer(body, "seed")
+            inputs[name] = ("FP32", [fp32(value)])
+    seed = integer(body, "seed", -2**63, 2**64 - 1)
     if seed is not None:
         inputs["random_seed"] = ("UINT64", [seed % 2**64])
-    k = integer(body, "num_draft_tokens", 0)
+    k = integer(body, "num_draft_tokens", 0, INT32_MAX)  # the server's --k bounds it
     if k is not None:  # 0: this request decodes without speculation
         inputs["num_draft_tokens"] = ("INT32", [k])
     drafter = body.get("drafter")  # the server's drafter, or "ngram": the model checks
@@ -289,7 +310,11 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     if chat and chat_stop_ids:  # the end-of-turn markers end the reply (one-token stop words)
         inputs["stop_words_ids"] = ("INT32", list(chat_stop_ids))
         inputs["stop_words_lengths"] = ("INT32", [1] * len(chat_stop_ids))
-    return Job(chat, ids, max_tokens, stream, include_usage, stop_strings(body), inputs)
+    stop = stop_strings(body)
+    refused = validate_body(body, kind)  # the schema's catch-all, after the named checks
+    if refused is not None:
+        raise invalid(*refused)
+    return Job(chat, ids, max_tokens, stream, include_usage, stop, inputs)
 
 
 # -- the gRPC call ---------------------------------------------------------------------------
@@ -313,13 +338,26 @@ def read_response(response) -> Piece:
                  out.get("finish_reason", ""), out.get("cached_tokens", 0))
 
 
-def error_from_grpc(error) -> ApiError:
+def field_named(message: str, chat: bool) -> str | None:
+    """The request field a server-side refusal names first (the model's messages begin with
+    the input's name: ``num_draft_tokens must be in [0, 4] ...``)."""
+    match = re.match(r"\s*(\w+)", message)
+    name = match.group(1) if match else ""
+    name = {"random_seed": "seed", "end_id": "ignore_eos",
+            "input_ids": "messages" if chat else "prompt"}.get(name, name)
+    return name if name in FIELDS["chat" if chat else "completions"] else None
+
+
+def error_from_grpc(error, chat: bool) -> ApiError:
     """A Triton error (the stream asked for status codes) as an HTTP error."""
     import grpc
 
     code, message = error.code(), error.details() or str(error)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ApiError(400, message)
+        param = field_named(message, chat)
+        if param is not None and param not in message:
+            message = f"{param}: {message}"
+        return ApiError(400, message, param)
     if code == grpc.StatusCode.UNAVAILABLE:  # queue full, or the server is not there
         return ApiError(503, message, kind="server_error")
     return ApiError(500, message, kind="server_error")
@@ -392,7 +430,7 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
         import grpc
 
         if isinstance(e, grpc.aio.AioRpcError):
-            raise error_from_grpc(e) from None
+            raise error_from_grpc(e, job.chat) from None
         raise
     finally:
         if finished:  # let the server close the stream: a cancel that arrives after it
@@ -420,9 +458,9 @@ def create_app(config: OpenAIConfig):
     from contextlib import asynccontextmanager
 
     import grpc
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
-    from tritonclient.grpc import service_pb2_grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     tokenizer = load_tokenizer(config.tokenizer_dir)
     try:
@@ -444,12 +482,12 @@ def create_app(config: OpenAIConfig):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    async def models(request):
+    async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
             {"id": config.served_model_name, "object": "model", "created": 0,
              "owned_by": "paradraft"}]})
 
-    async def handle(request, kind: str):
+    async def handle(request: Request, kind: str):
         try:
             try:
                 body = await request.json()
@@ -488,21 +526,68 @@ def create_app(config: OpenAIConfig):
             **head, "object": "chat.completion" if job.chat else "text_completion",
             "choices": [choice], "usage": usage(job, piece), "paradraft": spec_stats(piece)})
 
-    async def completions(request):
+    async def completions(request: Request):
         return await handle(request, "completions")
 
-    async def chat_completions(request):
+    async def chat_completions(request: Request):
         return await handle(request, "chat")
 
-    # plain Starlette routes: the body is validated by parse_job, which names every field
-    # it refuses, so FastAPI's own validation and dependency injection would only add work
-    async def health(request):  # liveness for a load balancer or a Kubernetes probe
-        return JSONResponse({})
+    async def health(request: Request):  # ready: Triton's model is (a dead model instance is not)
+        try:
+            reply = await state["stub"].ModelReady(service_pb2.ModelReadyRequest(name=MODEL),
+                                                   timeout=HEALTH_TIMEOUT_S)
+            if reply.ready:
+                return JSONResponse({})
+            reason = f"the model {MODEL!r} is not ready"
+        except grpc.aio.AioRpcError as e:
+            reason = f"Triton at {config.grpc_url} does not answer ({e.code().name})"
+        return error_response(ApiError(503, reason, kind="server_error"))
 
-    app.add_route("/health", health, methods=["GET"])
-    app.add_route("/v1/models", models, methods=["GET"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    # the handlers take the raw request: parse_job validates the body and names every field it
+    # refuses; the request models (openai_schema) document it in /openapi.json
+    errors = {400: {"model": ErrorResponse, "description": "invalid or unsupported field"},
+              404: {"model": ErrorResponse, "description": "no such model"},
+              503: {"model": ErrorResponse, "description": "overloaded or draining: retry "
+                                                           "after Retry-After seconds"}}
+
+    def body_of(model) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    def streamed(model) -> dict:
+        return {200: {"model": model, "description": "the completion; with stream true, "
+                      "server-sent events (chunks, then data: [DONE])",
+                      "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+
+    app.add_api_route("/health", health, methods=["GET"], response_model=Health,
+                      responses={503: {"model": ErrorResponse, "description": "not ready"}},
+                      summary="Readiness: the served model is ready")
+    app.add_api_route("/v1/models", models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/v1/completions", completions, methods=["POST"],
+                      responses={**streamed(Completion), **errors},
+                      openapi_extra=body_of(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                      responses={**streamed(ChatCompletion), **errors},
+                      openapi_extra=body_of(ChatCompletionRequest))
+
+    def openapi() -> dict:  # FastAPI's document, with the request models it does not see
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            from pydantic.json_schema import models_json_schema
+
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema(
+                [(model, "validation") for model in REQUESTS.values()],
+                ref_template="#/components/schemas/{model}")
+            for model in REQUESTS.values():  # this server serves one model: say which
+                defs["$defs"][model.__name__]["properties"]["model"]["enum"] = [
+                    config.served_model_name]
+            document.setdefault("components", {}).setdefault("schemas", {}).update(
+                defs["$defs"])
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
