@@ -191,6 +191,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 # its continuations agree, each row verifying only its own drafts (docs/results.md, "Served
 # on the CPU against llama-server")
 LLAMACPP_LOOKUP_K = 16
+# how often `serve` checks that tritonserver, its model instances and the API still run
+WATCH_INTERVAL_S = 0.5
 
 
 def backend_default(manifest: dict, args: argparse.Namespace) -> bool:
@@ -366,6 +368,7 @@ def run(args: argparse.Namespace) -> None:
         return
     api = None
     drain = 0.0
+    failure = None
     try:  # the ready line is inside: a signal that lands while it prints still stops the server
         if args.openai_port is not None:
             api = start_openai_server(openai_config(args, config, server, args.openai_port),
@@ -374,11 +377,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"paradraft: Triton ready — gRPC {args.host}:{args.grpc_port}, HTTP "
               f"{args.host}:{args.http_port}, metrics http://{args.host}:{args.metrics_port}"
               f"/metrics{openai} (log {server.log})", flush=True)
-        while server.process.poll() is None and (api is None or api.process.poll() is None):
-            time.sleep(0.5)
-        if api is not None and api.process.poll() is not None:
-            print(f"paradraft: the OpenAI API exited ({api.process.returncode}; log "
-                  f"{server.workdir / 'openai.log'}); stopping", file=sys.stderr, flush=True)
+        failure = watch(server, api)
+        print(f"paradraft: {failure}; stopping", file=sys.stderr, flush=True)
+        # the running requests end now (UNAVAILABLE; the API sends an error event) instead of
+        # waiting for a model instance that is gone, and readiness fails with the server
+        server.kill_group()
     except Terminated:
         drain = args.drain_seconds
     except KeyboardInterrupt:
@@ -386,6 +389,24 @@ def run(args: argparse.Namespace) -> None:
     finally:
         code = shut_down(server, api, drain)
     print(f"paradraft: tritonserver stopped ({code})", flush=True)
+    if failure is not None:  # non-zero: an orchestrator restarts the server
+        raise RuntimeError(failure)
+
+
+def watch(server: Server, api: OpenAIServer | None) -> str:
+    """Wait while the deployment is whole; what broke it."""
+    while True:
+        if server.process.poll() is not None:
+            return f"tritonserver exited by itself ({server.process.returncode}; log " \
+                   f"{server.log})"
+        if api is not None and api.process.poll() is not None:
+            return f"the OpenAI API exited ({api.process.returncode}; log " \
+                   f"{server.workdir / 'openai.log'})"
+        dead = server.dead_stubs()
+        if dead:
+            return (f"a model instance's process (triton_python_backend_stub, pid {dead[0]}) "
+                    "died: its requests cannot finish and Triton does not notice")
+        time.sleep(WATCH_INTERVAL_S)
 
 
 def shut_down(server: Server, api: OpenAIServer | None, drain_seconds: float) -> int:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -174,6 +175,7 @@ class Server:
     instances: int = 1  # model instances, each reporting to the control dir
     ready: bool = False  # the models loaded: their instances follow the control dir
     held_by_triton: bool = False  # stop() ended a tritonserver that held the model (see there)
+    stubs: tuple[int, ...] = ()  # the model instances' stub processes, found once ready
 
     @property
     def grpc_url(self) -> str:
@@ -211,7 +213,9 @@ class Server:
         ``held_by_triton`` and returns 0 when every request had ended but tritonserver held
         the model past ``UNLOAD_WAIT_S`` without unloading it (see there): nothing was left to
         lose, so the process group is killed instead of waiting out Triton's exit timeout."""
-        if self.process.poll() is None:
+        if self.process.poll() is not None:  # it died: its stubs may outlive it
+            self.kill_group()
+        else:
             try:
                 # the instances end what still runs first: told to exit with a decoupled
                 # stream in flight, tritonserver 2.51 crashed (SIGSEGV) instead of draining
@@ -232,6 +236,11 @@ class Server:
                     self.log_stub_stacks()
                 self.kill_group()
         return self.process.returncode
+
+    def dead_stubs(self) -> list[int]:
+        """The model instances' stub processes that have died. Triton 2.51 does not notice
+        one: its requests never end and readiness stays 200 (``serve`` watches for it)."""
+        return [pid for pid in self.stubs if not alive(pid)]
 
     def wait_or_held(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for tritonserver to exit; True if it is still up then,
@@ -282,6 +291,41 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on ``host``:``port`` (binding it fails)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux: a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def stub_pids(pid: int) -> tuple[int, ...]:
+    """The Python backend's stub processes (one per model instance) that tritonserver
+    ``pid`` started."""
+    found = []
+    for child in child_pids(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in command:
+            found.append(child)
+    return tuple(found)
+
+
 def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.1",
                  grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
                  workdir: Path | None = None, ready_timeout: float = 240) -> Server:
@@ -290,6 +334,9 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
                        ("metrics_port", metrics_port)]:
         if not 1 <= port <= 65535:
             raise ValueError(f"{name} must be in [1, 65535]; got {port}")
+        if port_taken(host, port):  # tritonserver would start, load the models, then fail
+            raise ValueError(f"{name} {port} on {host} is in use (another server?): choose "
+                             f"another with --{name.replace('_', '-')}")
     binary = find_tritonserver()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="paradraft-serve-"))
     repo = write_model_repo(config, tokenizer_path, workdir)
@@ -316,6 +363,7 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
                                    f"{log}:\n" + log.read_text()[-4000:])
             if all(answers(url) for url in urls):
                 server.ready = True
+                server.stubs = stub_pids(process.pid)
                 return server
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
