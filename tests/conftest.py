@@ -261,3 +261,35 @@ def smollm2_gguf():
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def run_cli(*args: str):
+    """``paradraft *args`` in this process (a subprocess pays seconds of imports): its exit
+    code and what it printed, as subprocess.run(capture_output=True, text=True) gives them."""
+    import contextlib
+    import io
+    import subprocess
+
+    from paradraft.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                err.write(e.code)
+    return subprocess.CompletedProcess(["paradraft", *args], code, out.getvalue(),
+                                       err.getvalue())
+
+
+def run_cli_process(*args: str, timeout: float = 600):
+    """``paradraft *args`` as a user runs it, in a process of its own: where the process
+    matters (its logging handlers, its signals, its exit on a crash)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)

@@ -1,13 +1,8 @@
-"""The `paradraft` command, run as a user runs it (a subprocess)."""
+"""The `paradraft` command, run as a user runs it (its main(), in this process: see run_cli)."""
 
 import json
-import subprocess
-import sys
 
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
-                          capture_output=True, text=True, timeout=300)
+from conftest import run_cli, run_cli_process
 
 
 def test_cli_generate_json_speculative_equals_no_speculation(pair):
@@ -39,10 +34,10 @@ def test_cli_acceptance_floor_warns_and_is_validated(pair):
     """``--acceptance-floor``: the monitoring hook's floor from the command line."""
     common = ["generate", "--verifier", pair[0], "--draft", pair[1], "--prompt-ids", "4,8,15",
               "--max-new-tokens", "100", "--k", "4", "--ignore-eos", "--draft-len-schedule", "1:4"]
-    r = run_cli(*common, "--acceptance-floor", "0.99")
+    r = run_cli_process(*common, "--acceptance-floor", "0.99")
     assert r.returncode == 0, r.stderr
     assert "fell below the floor 0.990" in r.stderr
-    r = run_cli(*common, "--acceptance-floor", "0")
+    r = run_cli_process(*common, "--acceptance-floor", "0")
     assert r.returncode == 0 and "fell below" not in r.stderr
     r = run_cli(*common, "--acceptance-floor", "1.5")
     assert r.returncode == 2 and "acceptance_floor must be in [0, 1]; got 1.5" in r.stderr

@@ -4,12 +4,11 @@ with the shipped demo models."""
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 from paradraft.runtime.model import load_model
 from paradraft.runtime.tools.evaluate import (
@@ -147,14 +146,11 @@ needs_demo = pytest.mark.skipif(
     reason="demo models not present")
 
 
-def cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @needs_demo
 def test_bench_end_to_end_writes_well_formed_json(tmp_path):
-    r = cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "1,2",
+    r = run_cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "1,2",
             "--batch-sizes", "1,2", "--repeats", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
@@ -193,7 +189,7 @@ def test_bench_end_to_end_writes_well_formed_json(tmp_path):
 
 @needs_demo
 def test_eval_end_to_end_reports_every_rule(tmp_path):
-    r = cli("eval", "--prompts", "2", "--max-new-tokens", "8", "--seeds", "1",
+    r = run_cli("eval", "--prompts", "2", "--max-new-tokens", "8", "--seeds", "1",
             "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "eval.json").read_text())
@@ -220,7 +216,7 @@ def test_eval_end_to_end_reports_every_rule(tmp_path):
 
 @needs_demo
 def test_tune_end_to_end_compares_each_setting_at_its_own_temperature(tmp_path):
-    r = cli("tune", "--rule", "dynamic", "--prompts", "2", "--max-new-tokens", "8",
+    r = run_cli("tune", "--rule", "dynamic", "--prompts", "2", "--max-new-tokens", "8",
             "--seeds", "1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "tune.json").read_text())
@@ -260,7 +256,7 @@ def test_tune_end_to_end_compares_each_setting_at_its_own_temperature(tmp_path):
     ("--k", "0", r"k must be an integer in \[1,"),
 ])
 def test_eval_rejects_bad_settings_naming_them(tmp_path, flag, value, message):
-    r = cli("eval", flag, value, "--out", str(tmp_path))
+    r = run_cli("eval", flag, value, "--out", str(tmp_path))
     assert r.returncode == 2
     assert re.search(message, r.stderr), r.stderr[-500:]
 

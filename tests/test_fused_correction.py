@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, run_cli
 from test_lossless import assert_joint_distribution
 
 from paradraft.runtime.backends.loader import load_engines
@@ -231,9 +229,6 @@ def test_fused_correction_option_is_checked(pair, engines):
     assert auto.fused == type(verifier).fused_by_default
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 def test_cli_generate_fused_correction(pair, pair_engines):

@@ -111,8 +111,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def real(smollm2_gguf: Path, tmp_path_factory) -> tuple[dict, Path]:
-    out = g.cached_import(smollm2_gguf, tmp_path_factory.mktemp("gguf_cache"))
+def real(smollm2_gguf: Path) -> tuple[dict, Path]:
+    out = g.cached_import(smollm2_gguf)  # $PARADRAFT_CACHE: imported once for the suite
     return g.read_metadata(smollm2_gguf), out
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, save_hf, tiny_config, transformers
+from conftest import VOCAB, run_cli, run_cli_process, save_hf, tiny_config, transformers
 
 from paradraft.build.onnx import build_engines
 from paradraft.runtime.backends.loader import load_engines
@@ -472,7 +470,7 @@ def test_default_build_builds_a_drifting_int8_draft_in_float32(pair, tmp_path):
         check_graph(draft, int8, tol=INT8_TOL, relative=True, drafts_only=True)
 
     out = tmp_path / "engines"
-    r = run_cli("build", "--verifier", vdir, "--draft", ddir, "--backend", "onnx",
+    r = run_cli_process("build", "--verifier", vdir, "--draft", ddir, "--backend", "onnx",
                 "--out", str(out), "--max-k", "2", "--self-draft-layers", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "DraftPrecisionWarning: draft.onnx: int8 weights drift" in r.stderr
@@ -519,9 +517,6 @@ def test_build_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
         build_engines(dirs[0], tmp_path / "out", dirs[1])
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
-                          capture_output=True, text=True, timeout=600)
 
 
 def test_cli_build_then_generate_with_engines_equals_torch(pair, tmp_path):

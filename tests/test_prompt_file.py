@@ -3,11 +3,10 @@ prompt files, and the ngram rows beside transformers' prompt lookup."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from tokenizers import Tokenizer
 
 from paradraft.runtime.checkpoints import DEMO_DIR, format_chat
@@ -102,9 +101,6 @@ def test_bench_runs_ngram_beside_transformers_prompt_lookup(pair):
     assert by["ours", "ngram", "greedy", 2].tokens == by["ours", "baseline", "greedy", 2].tokens
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "paradraft.cli", *args],
-                          capture_output=True, text=True, timeout=300)
 
 
 def test_cli_generate_with_ngram_equals_no_speculation_and_sizes_are_checked(pair):

@@ -58,8 +58,8 @@ def drafters() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf: Path, tmp_path_factory) -> Path:
-    return gguf.cached_import(smollm2_gguf, tmp_path_factory.mktemp("smol_cache"))
+def smol(smollm2_gguf: Path) -> Path:
+    return gguf.cached_import(smollm2_gguf)  # $PARADRAFT_CACHE: imported once for the suite
 
 
 @pytest.fixture(scope="module")
