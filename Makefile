@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint imports bench clean serve-deps smollm2 llamacpp test-llamacpp qwen \
-	test-real-pair
+	test-real-pair fuzz soak
 
 TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
 PYTRITON := nvidia-pytriton==0.7.0
@@ -92,6 +92,17 @@ test: $(STAMP) $(TRITON) $(SMOLLM2_GGUF) imports
 	PARADRAFT_REQUIRE_REAL=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
 	  -m "not real_pair" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# the long fuzz run of both APIs (tests/test_fuzz.py; `make test` runs 25 examples each)
+FUZZ_EXAMPLES ?= 500
+fuzz: $(STAMP) $(TRITON)
+	PARADRAFT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/test_fuzz.py
+
+# a soak of `make demo`'s engines served (paradraft soak: concurrency 8, cancellations,
+# disconnects, stop strings, two drafters; memory, slots and counters checked at the end)
+SOAK_SECONDS ?= 1800
+soak: $(STAMP) $(TRITON) $(ENGINES)/manifest.json
+	$(BIN)/paradraft soak --engines $(ENGINES) --duration $(SOAK_SECONDS) --out results/soak
 
 lint: $(STAMP) imports
 	$(BIN)/ruff check .

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from test_openai import api  # noqa: F401  (the module's server: a fixture)
 
+from paradraft.runtime.serving.server import stub_pids
+
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -94,6 +96,8 @@ def test_generated_openai_requests_get_named_4xx_and_never_a_5xx(api):  # noqa: 
             if op.method.upper() == "GET" and mode is GenerationMode.NEGATIVE:
                 continue  # no parameters: nothing to get wrong
             fuzz_operation(op, mode, base, session, statuses)
+    triton = api[1]
+    assert stub_pids(triton.process.pid) == triton.stubs  # no model instance restarted
     for path in ("/v1/completions", "/v1/chat/completions"):
         # both kinds were reached: bodies the server ran, and bodies it refused
         assert 200 in statuses[(path, "positive")], statuses
@@ -196,3 +200,4 @@ def test_generated_triton_requests_get_invalid_argument_never_internal(api):  # 
 
     send()
     assert "INVALID_ARGUMENT" in codes, codes
+    assert stub_pids(triton.process.pid) == triton.stubs  # no model instance restarted

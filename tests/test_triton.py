@@ -838,6 +838,29 @@ def test_onnx_engine_server_streams_what_the_engines_decode_in_process(onnx_serv
         assert len(got.chunks) > 1 and got.total_draft_tokens > 0
 
 
+def test_corrupt_engine_weights_are_refused_at_load_naming_the_file(onnx_server, tmp_path):
+    """Served from an engine dir whose weights were truncated on disk: the model instance
+    refuses them by checksum; start_server fails fast, naming the file, with no traceback."""
+    import dataclasses
+    import shutil
+
+    config = onnx_server[1]
+    engines = tmp_path / "engines"
+    shutil.copytree(config.engines, engines)
+    weights = engines / "verifier.weights"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    bad = dataclasses.replace(config, engines=str(engines))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        serving_server.start_server(bad, str(engines / "tokenizer.json"), grpc_port=free_port(),
+                                    http_port=free_port(), metrics_port=free_port(),
+                                    workdir=tmp_path / "triton")
+    assert time.monotonic() - t0 < 60
+    message = str(e.value)
+    assert f"{weights} does not match its sha256" in message, message
+    assert "Traceback" not in message, message
+
+
 def by_instance(srv, name: str) -> dict[str, float]:
     """One paradraft_* metric per model instance: {instance name: value}."""
     out = {}

@@ -16,6 +16,7 @@ from . import (
     loadtest,
     query,
     serve,
+    soak,
 )
 
 
@@ -23,12 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="paradraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in (fetch, generate, bench, build, import_gguf, evaluate, serve, demo, loadtest,
-                    query, distill):
+                    query, distill, soak):
         command.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # OSError: a full disk, a missing file
         parser.exit(2, f"paradraft: error: {e}\n")
 
 

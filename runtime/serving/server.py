@@ -291,6 +291,20 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+# Triton's line when a model fails to load; the Python stub appends "\n\nAt:" and a stack
+LOAD_FAILED = re.compile(r"failed to load '[^']+' version \d+: (?:\w+: )?(.*?)(?:\\n\\nAt:|\"$)",
+                         re.MULTILINE)
+
+
+def load_failure(log_text: str) -> str | None:
+    """Why the model failed to load, from tritonserver's log (the first reason given)."""
+    found = LOAD_FAILED.search(log_text)
+    if found is None:
+        return None
+    cause = found.group(1).replace("\\n", " ").strip()
+    return re.sub(r"^\w+(?:Error|Exception): ", "", cause)  # the message, not Python's class
+
+
 def port_taken(host: str, port: int) -> bool:
     """Whether something already listens on ``host``:``port`` (binding it fails)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -359,8 +373,13 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
+                text = log.read_text(errors="replace")
+                cause = load_failure(text)
+                if cause is not None:  # the model's own error, without Triton's stack dump
+                    raise RuntimeError(f"tritonserver could not load the model: {cause} (log "
+                                       f"{log})")
                 raise RuntimeError(f"tritonserver exited with {process.returncode}; log "
-                                   f"{log}:\n" + log.read_text()[-4000:])
+                                   f"{log}:\n" + text[-4000:])
             if all(answers(url) for url in urls):
                 server.ready = True
                 server.stubs = stub_pids(process.pid)

@@ -46,6 +46,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # stream opened with the header triton_grpc_error: true closes with INVALID_ARGUMENT /
 # UNAVAILABLE / INTERNAL
 INVALID, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+# how a received request ended (paradraft_requests_ended_total's outcome label)
+OUTCOMES = ("finished", "cancelled", "refused", "failed")
 LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 17.0]
 # how often a running request's response sender is asked whether the client cancelled (an
 # IPC round trip, made by the sender thread); the answer is a flag the scheduler reads free
@@ -106,6 +108,15 @@ class Metrics:
                                 "verify steps that rejected a draft token").Metric(labels=labels)
         self.requests = family("paradraft_requests_total", counter,
                                "requests finished").Metric(labels=labels)
+        # received = the sum of ended over its outcomes once nothing runs or waits (a soak
+        # checks it): finished, cancelled (by the client or a stop request), refused (bad,
+        # or the queue full, or draining), failed (the decoder raised, or the server stopped)
+        self.received = family("paradraft_requests_received_total", counter,
+                               "requests received (not counting stop requests)"
+                               ).Metric(labels=labels)
+        ended = family("paradraft_requests_ended_total", counter, "requests ended, by outcome")
+        self.ended = {outcome: ended.Metric(labels={**labels, "outcome": outcome})
+                      for outcome in OUTCOMES}
         # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: the hit rate is their
         # ratio
         self.prompt_tokens = family("paradraft_prompt_tokens_total", counter,
@@ -183,12 +194,14 @@ class Metrics:
 
     def empty(self):
         return {"drafted": 0, "accepted": 0, "rollbacks": 0, "requests": 0, "lengths": [],
+                "received": 0, "ended": dict.fromkeys(OUTCOMES, 0),
                 "prompt_tokens": 0, "cached_tokens": 0,
                 "drafted_at": [0] * self.k, "accepted_at": [0] * self.k, "state": None,
                 "rounds": None}
 
     def add(self, drafted=0, accepted=0, rollbacks=0, drafted_at=(), accepted_at=(),
-            scheduler=None, length=None, now=False, rounds=None, prompt=(0, 0)):
+            scheduler=None, length=None, now=False, rounds=None, prompt=(0, 0), received=0,
+            outcome=None):
         """Fold deltas in (and the scheduler's running / queued counts, read under this lock
         so that a slow caller cannot overwrite a newer reading with an older one); True when
         the caller must queue a ``flush``: none is queued, and the last went out at least
@@ -212,6 +225,9 @@ class Metrics:
                 p["lengths"].append(length)
             p["prompt_tokens"] += prompt[0]
             p["cached_tokens"] += prompt[1]
+            p["received"] += received
+            if outcome is not None:
+                p["ended"][outcome] += 1
             due = now or time.perf_counter() - self.last_flush >= METRICS_FLUSH_S
             queue_it = due and not self.flush_queued
             self.flush_queued = self.flush_queued or queue_it
@@ -232,6 +248,8 @@ class Metrics:
                           (self.rollbacks, p["rollbacks"]), (self.requests, p["requests"]),
                           (self.prompt_tokens, p["prompt_tokens"]),
                           (self.cached_tokens, p["cached_tokens"]),
+                          (self.received, p["received"]),
+                          *((self.ended[o], n) for o, n in p["ended"].items()),
                           *zip(self.drafted_at, p["drafted_at"], strict=True),
                           *zip(self.accepted_at, p["accepted_at"], strict=True)]:
             if n:  # only what moved: every call is a round trip to the server process
@@ -462,12 +480,15 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            received = False  # a stop request is not counted: it ends another one
             try:
                 wanted = set(request.requested_output_names()) or DEFAULT_OUTPUTS
                 stop = pb_utils.get_input_tensor_by_name(request, "stop")
                 if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
                     self.stop(request.request_id(), sender, wanted)
                     continue
+                self.count(received=1)
+                received = True
                 if self.draining:  # the same class as a full queue: retry (elsewhere)
                     raise self.ShuttingDown("server shutting down (draining): not admitting "
                                             "new requests; retry later")
@@ -481,11 +502,14 @@ class TritonPythonModel:
                             sender)
                 self.note_state()  # the queue depth moves at once, not at the next round
             except ValueError as e:
+                self.count(outcome="refused" if received else None)
                 self.refuse(sender, str(e), INVALID)
             except (self.QueueFull, RuntimeError) as e:  # full, or shutting down: retry later
+                self.count(outcome="refused" if received else None)
                 self.refuse(sender, str(e), UNAVAILABLE)
             except Exception as e:  # a bug of ours: the request still gets its final response
                 pb_utils.Logger.log_error(f"paradraft: a request failed on arrival: {e!r}")
+                self.count(outcome="failed" if received else None)
                 self.refuse(sender, f"internal error: {e!r}", INTERNAL)
         return None
 
@@ -516,6 +540,10 @@ class TritonPythonModel:
         except BaseException:
             self.closed(sender)  # refused: its caller answers it, and on_done never runs
             raise
+
+    def count(self, received=0, outcome=None):
+        if self.metrics.add(received=received, outcome=outcome):
+            self.outbox.put(self.metrics.flush)
 
     def note_state(self):
         if self.metrics.add(scheduler=self.scheduler):
@@ -587,6 +615,8 @@ class TritonPythonModel:
             if request_id and self.live.get(request_id) is s:
                 del self.live[request_id]
             try:
+                self.count(outcome="failed" if failure is not None else
+                           "cancelled" if stats is None else "finished")
                 if stats is not None:
                     self.account(s, stats, stats.mean_acceptance_length,
                                  (len(parsed.prompt), stats.cached_tokens))
