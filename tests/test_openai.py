@@ -321,6 +321,31 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_slot(api, client):
     assert done.usage.completion_tokens == 4
 
 
+def test_a_client_that_stops_reading_does_not_hold_its_slot(api):
+    """Back-pressure: a client that never reads its stream (a 1 KB receive buffer, so the
+    server's writes block) costs no slot beyond its generation: the request finishes and
+    frees its slot while the connection is still open, and the server serves others."""
+    import socket
+
+    server, triton, _, _ = api
+    before = metrics(triton).get("paradraft_requests_total", 0)
+    body = json.dumps({"model": "paradraft", "prompt": "def long():", "max_tokens": 280,
+                       "ignore_eos": True, "stream": True})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect((server.config.host, server.config.port))
+    try:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+                      ).encode())
+        wait_for(triton, lambda m: m.get("paradraft_requests_total", 0) == before + 1)
+        wait_for(triton, lambda m: m.get("paradraft_active_sequences") == 0)
+        done = serving_client.complete(triton.grpc_url, "x", 4)  # others are served meanwhile
+        assert done.text
+    finally:
+        sock.close()
+
+
 def test_loadtest_over_the_openai_api_reuses_its_connections(api):
     """Each client thread sends its requests over one keep-alive connection."""
     from paradraft.runtime.tools.loadtest import run_level

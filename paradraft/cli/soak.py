@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
             api.config.host, api.config.port,
             f"http://{server.host}:{server.metrics_port}/metrics", processes,
             duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
-            drafters=drafters, sample_s=args.sample_seconds))
+            drafters=drafters, max_draft_tokens=config.k, sample_s=args.sample_seconds))
     finally:
         if api is not None:
             api.stop()

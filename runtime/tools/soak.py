@@ -4,11 +4,11 @@ hold after it.
 Clients (``concurrency`` threads, each sleeping while it waits) send OpenAI requests one
 after another, each of a random kind: read to the end, streamed or not; hang up after a few
 events (a cancellation); hang up before reading anything (a disconnect); end at a stop
-string. They mix the drafters the server runs. Every request must end with text or a named
-error, none may hang (``timeout_s`` of silence) or be lost. Every ``sample_s`` the resident
-memory of each server process and the output tokens/s are sampled. At the end the server
-must settle with every KV slot free, and its counters must add up: requests received = the
-sum of those ended, by outcome. ``check`` says what failed, if anything.
+string. They mix the drafters the server runs, and half ask for a K of their own. Every
+request must end with text or a named error, none may hang (``timeout_s`` of silence) or be
+lost. Every ``sample_s`` the resident memory of each server process and the output tokens/s
+are sampled. At the end the server must settle with every KV slot free, and its counters must
+add up: requests received = the sum of those ended, by outcome. ``check`` says what failed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class SoakConfig:
     concurrency: int = 8
     max_tokens: int = 48
     drafters: tuple[str | None, ...] = (None,)  # None: the server's own
+    # half the requests ask for a K in [1, max_draft_tokens] (the server's --k): under load
+    # the goodput policy would otherwise pick plain rounds nearly always, leaving the
+    # speculative paths (drafts, rollbacks) unexercised
+    max_draft_tokens: int = 0
     timeout_s: float = 120.0
     sample_s: float = 5.0
     seed: int = 0
@@ -108,6 +112,8 @@ def one_request(config: SoakConfig, rng: random.Random) -> tuple[str, str, int]:
     drafter = rng.choice(config.drafters)
     if drafter is not None:
         body["drafter"] = drafter
+    if config.max_draft_tokens and rng.random() < 0.5:
+        body["num_draft_tokens"] = rng.randint(1, config.max_draft_tokens)
     if kind == "stop":
         body["stop"] = rng.sample(STOP_STRINGS, 2)
     if kind != "complete":
@@ -178,7 +184,7 @@ def run_soak(config: SoakConfig) -> SoakReport:
         t.start()
     last_tokens, last_t = 0, start
     while any(t.is_alive() for t in threads):
-        time.sleep(min(config.sample_s, max(0.1, deadline - time.monotonic())))
+        time.sleep(config.sample_s)
         now = time.monotonic()
         with lock:
             done = tokens_done[0]
