@@ -36,9 +36,11 @@ RULES = ("exact", "greedy", "threshold", "ratio", "dynamic", "typical")
 MAX_K = 64
 
 
-# each sampling and rule parameter's range: (low, high, whether low itself is excluded)
+# each sampling and rule parameter's range: (low, high, whether low itself is excluded).
+# Temperature from 1e-5 (vLLM's sampling epsilon): logits / T must not overflow float32, or
+# the softmax turns to NaN; the OpenAI API reads a lower temperature as 0, greedy
 PARAMETER_RANGES = {
-    "temperature": (0.0, 100.0, True), "top_p": (0.0, 1.0, True), "tau": (0.0, 1.0, False),
+    "temperature": (1e-5, 100.0, False), "top_p": (0.0, 1.0, True), "tau": (0.0, 1.0, False),
     "gamma": (0.0, 1e6, True), "alpha": (0.0, 100.0, False), "epsilon": (0.0, 1.0, False),
     "delta": (0.0, 1e6, False)}
 

@@ -275,7 +275,9 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     rule = body.get("correction_rule")
     if rule is not None and not isinstance(rule, str):
         raise invalid("correction_rule", f"correction_rule must be a string; got {rule!r}")
-    if temperature == 0.0 or body.get("top_k") == 1:  # OpenAI's greedy
+    # OpenAI's greedy: temperature 0, or below the sampling range (vLLM does the same)
+    if ((temperature is not None and temperature < PARAMETER_RANGES["temperature"][0])
+            or body.get("top_k") == 1):
         if rule not in (None, "greedy"):
             raise invalid("correction_rule", f"temperature 0 (greedy) and correction_rule "
                                              f"{rule!r} contradict each other")
