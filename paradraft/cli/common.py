@@ -87,8 +87,6 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
                    type=str.lower,
                    help="the ngram drafter also searches the other cache slots: earlier "
                         "requests' prompts and answers (default: off)")
-
-
     p.add_argument("--suffix-depth", type=int, default=None, metavar="N",
                    help="the suffix drafter's longest suffix matched, 1 to "
                         f"{SUFFIX_DEPTH_LIMIT} (default {SuffixDrafter.suffix_depth})")

@@ -9,7 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from paradraft.runtime.drafters import MODEL_FREE_DRAFTERS
 from paradraft.runtime.tools.soak import SoakConfig, run_soak, write_report
 
 from .serve import add_openai_args, add_server_args, own_openai_server, own_server, serve_config
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
         api = own_openai_server(args, config, server)
         processes = {"tritonserver": server.process.pid, "openai_api": api.process.pid,
                      **{f"stub{i}": pid for i, pid in enumerate(server.stubs)}}
-        drafters = tuple(dict.fromkeys([None, *MODEL_FREE_DRAFTERS[:1]]))  # ours and ngram
+        drafters = (None, "ngram")  # the server's own, and the lookup every engine dir has
         report = run_soak(SoakConfig(
             api.config.host, api.config.port,
             f"http://{server.host}:{server.metrics_port}/metrics", processes,
