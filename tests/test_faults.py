@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -126,3 +127,105 @@ def test_a_port_already_taken_is_refused_by_name_before_anything_starts(tmp_path
                          workdir=tmp_path)
         assert time.monotonic() - t0 < 5
     assert tritonservers_in(tmp_path) == []
+
+
+# a mount namespace of its own: the tmpfs exists only for the command it runs
+UNSHARE = ("unshare", "--mount", *(() if os.geteuid() == 0 else ("--map-root-user",)))
+
+
+def mount_namespaces_work() -> bool:
+    """Whether this process may make a mount namespace with its own tmpfs (root, or
+    unprivileged user namespaces)."""
+    try:
+        probe = subprocess.run([*UNSHARE, "sh", "-c", "mount -t tmpfs -o size=64k none /mnt"],
+                               capture_output=True)
+    except OSError:  # no unshare
+        return False
+    return probe.returncode == 0
+
+
+def on_small_disk(workdir: Path, size: str) -> tuple[str, ...]:
+    """A launcher that runs its command with ``workdir`` on a tmpfs of ``size`` (ENOSPC past
+    it), in a mount namespace of its own."""
+    return (*UNSHARE, "sh", "-c", f'mount -t tmpfs -o size={size} paradraft-disk "{workdir}" '
+            '&& exec "$@"', "sh")
+
+
+def fill(path: Path) -> int:
+    """Write zeros into ``path`` until the disk is full; bytes written."""
+    written = 0
+    with path.open("wb", buffering=0) as f:
+        block = bytes(1 << 16)
+        while True:
+            try:
+                written += f.write(block)
+            except OSError as e:
+                assert e.errno == 28, e  # ENOSPC, nothing else
+                return written
+
+
+def post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.skipif(not mount_namespaces_work(), reason="no mount namespace with a tmpfs here "
+                    "(needs root or unprivileged user namespaces)")
+def test_a_full_disk_for_the_workdir(tmp_path):
+    """The workdir's disk fills up while the server runs: requests are still served, streamed
+    and not (a request writes nothing there but log lines), and SIGTERM still drains and stops
+    the server, exit 0 (the drain is told by empty files, which a full disk still takes).
+    Started on a disk already full, `serve` refuses at once, naming the file and the cause,
+    without a traceback."""
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    openai_port = free_port()
+    proc = start_serve_command(workdir, "--openai-port", str(openai_port), "--chat-template",
+                               str(template), launcher=on_small_disk(workdir, "16m"))
+    url = f"http://127.0.0.1:{openai_port}"
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "Triton ready" not in line:
+            assert time.monotonic() < deadline and (line or proc.poll() is None), line
+            line = proc.stdout.readline()
+        # the serve process's view of the workdir: the tmpfs, not the empty folder beneath
+        assert fill(Path(f"/proc/{proc.pid}/root") / str(workdir).lstrip("/") / "ballast") > 0
+        for stream in (False, True):
+            status, body = post(f"{url}/v1/chat/completions", {
+                "model": "paradraft", "messages": [{"role": "user", "content": "def f():"}],
+                "max_tokens": 12, "ignore_eos": True, "stream": stream})
+            assert status == 200, body
+            if stream:
+                events = [e[6:] for e in body.decode().splitlines() if e.startswith("data: ")]
+                assert events[-1] == "[DONE]" and '"error"' not in body.decode(), body
+            else:
+                assert json.loads(body)["usage"]["completion_tokens"] == 12, body
+        assert answers_200(f"{url}/health")
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "tritonserver stopped (0)" in out, out
+    assert tritonservers_in(workdir) == [] and stubs_in(workdir) == []
+
+    # started with the disk already full
+    proc = start_serve_command(workdir, launcher=on_small_disk(workdir, "4k"))
+    try:
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, None), out
+    assert "No space left on device" in out and str(workdir) in out, out
+    assert "Traceback" not in out, out
+    assert tritonservers_in(workdir) == []

@@ -29,10 +29,7 @@ FAKE = textwrap.dedent("""
 
     signal.signal(signal.SIGINT, on_sigint)
     while True:
-        try:
-            asked = (control / "mode").read_text().strip()
-        except OSError:
-            asked = ""
+        asked = next((m for m in ("stop", "drain") if (control / m).exists()), "")
         if asked and behaviour != "request_never_ends":
             (control / f"ensemble_0_0.{asked}").touch()
         time.sleep(0.02)

@@ -666,11 +666,11 @@ def tritonservers_in(workdir: Path) -> list[int]:
     return pids
 
 
-def start_serve_command(workdir: Path, *extra: str):
+def start_serve_command(workdir: Path, *extra: str, launcher: tuple[str, ...] = ()):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "paradraft.cli", "serve",
+    cmd = [*launcher, sys.executable, "-m", "paradraft.cli", "serve",
            "--verifier", str(MODELS / "verifier"), "--draft", str(MODELS / "draft"),
            "--max-slots", "2", "--max-seq-len", "128", "--grpc-port", str(free_port()),
            "--http-port", str(free_port()), "--metrics-port", str(free_port()),

@@ -20,7 +20,7 @@ from paradraft.runtime.drafters import DRAFTERS, MODEL_FREE_DRAFTERS
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
-from paradraft.runtime.serving.server import Server, start_server
+from paradraft.runtime.serving.server import Server, start_server, writing
 from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
@@ -323,11 +323,12 @@ def chat_dir(args: argparse.Namespace, workdir: Path) -> Path:
     if not args.chat_template.is_file():
         raise FileNotFoundError(f"chat_template: no file {args.chat_template}")
     out = workdir / "chat"
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (found / name).is_file():
-            shutil.copyfile(found / name, out / name)
-    shutil.copyfile(args.chat_template, out / "chat_template.jinja")
+    with writing(workdir):
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (found / name).is_file():
+                shutil.copyfile(found / name, out / name)
+        shutil.copyfile(args.chat_template, out / "chat_template.jinja")
     return out
 
 

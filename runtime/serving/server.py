@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -198,9 +199,9 @@ class Server:
         if not self.ready or self.process.poll() is not None:
             return False
         self.control.mkdir(parents=True, exist_ok=True)
-        staged = self.control / "mode.new"
-        staged.write_text(mode)
-        staged.replace(self.control / "mode")  # atomic: an instance never reads half of it
+        # the mode is an empty file's name, not a file's text: on a full disk an empty file
+        # can still be made (it takes no data block), so a drain or stop still reaches them
+        (self.control / mode).touch()
         deadline = time.monotonic() + seconds
         while len(list(self.control.glob(f"*.{mode}"))) < self.instances:
             if time.monotonic() >= deadline or self.process.poll() is not None:
@@ -340,6 +341,19 @@ def stub_pids(pid: int) -> tuple[int, ...]:
     return tuple(found)
 
 
+@contextlib.contextmanager
+def writing(workdir: Path) -> Iterator[None]:
+    """Name the workdir and the cause when writing it fails (a full disk, no permission):
+    shutil's own errors name neither."""
+    try:
+        yield
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise OSError(e.errno, f"cannot write the serving workdir {workdir}{where}: "
+                      f"{e.strerror or e}; free space there or choose another with --workdir"
+                      ) from e
+
+
 def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.1",
                  grpc_port: int = 8001, http_port: int = 8000, metrics_port: int = 8002,
                  workdir: Path | None = None, ready_timeout: float = 240) -> Server:
@@ -353,17 +367,20 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
                              f"another with --{name.replace('_', '-')}")
     binary = find_tritonserver()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="paradraft-serve-"))
-    repo = write_model_repo(config, tokenizer_path, workdir)
-    backends = backend_dir(binary, workdir)
-    log = workdir / "tritonserver.log"
+    with writing(workdir):
+        repo = write_model_repo(config, tokenizer_path, workdir)
+        backends = backend_dir(binary, workdir)
+        log = workdir / "tritonserver.log"
+        log_file = log.open("w")
     cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={backends}",
            "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
            f"--grpc-address={host}", f"--grpc-port={grpc_port}",
            f"--http-address={host}", f"--http-port={http_port}",
            "--allow-metrics=true", f"--metrics-address={host}",
            f"--metrics-port={metrics_port}", "--log-info=true"]
-    process = subprocess.Popen(cmd, env=server_env(binary), stdout=log.open("w"),
+    process = subprocess.Popen(cmd, env=server_env(binary), stdout=log_file,
                                stderr=subprocess.STDOUT, start_new_session=True)
+    log_file.close()  # tritonserver holds its own
     server = Server(process, host, grpc_port, http_port, metrics_port, workdir, log,
                     instances=instance_count(config))
     # ready once the models are and the metrics endpoint answers too: under load, Triton

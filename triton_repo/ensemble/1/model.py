@@ -411,16 +411,16 @@ class TritonPythonModel:
         self.control_thread.start()
 
     def follow_control(self):
-        """`paradraft serve` writes ``drain`` (on SIGTERM: refuse new requests, finish the
-        running ones) or ``stop`` (before tritonserver exits: end them all now, as
-        UNAVAILABLE) to ``control_dir/mode``; this instance answers with
+        """`paradraft serve` makes ``control_dir/drain`` (on SIGTERM: refuse new requests,
+        finish the running ones) or ``control_dir/stop`` (before tritonserver exits: end them
+        all now, as UNAVAILABLE); this instance answers with
         ``control_dir/<instance>.<mode>`` once its last request had its final response."""
         mode, reported, stop_asked = "", "", 0.0
         next_note = time.monotonic() + OPEN_NOTE_S
         while not self.closing.wait(CONTROL_POLL_S):
-            try:
-                asked = (self.control / "mode").read_text().strip()
-            except OSError:  # no drain or stop asked for
+            # the modes are empty files (a full disk still takes them); stop outranks drain
+            asked = next((m for m in ("stop", "drain") if (self.control / m).exists()), "")
+            if not asked:
                 continue
             self.draining = True
             if asked == "stop" and mode != "stop":
