@@ -37,9 +37,10 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection]
 # a schema-valid body may still be refused for what the schema cannot know: the prompt's
 # length against max_seq_len, names the server resolves (drafter, correction rule) and
-# limits of its configuration (num_draft_tokens against --k), and stream_options without stream
+# limits of its configuration (num_draft_tokens against --k, n against its slots and queue),
+# and stream_options without stream
 SERVER_LIMITS = {"stream_options", "prompt", "messages", "max_tokens", "max_completion_tokens",
-                 "drafter", "correction_rule", "num_draft_tokens"}
+                 "drafter", "correction_rule", "num_draft_tokens", "n"}
 
 
 def fuzz_settings(examples: int = EXAMPLES):

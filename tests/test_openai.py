@@ -53,7 +53,7 @@ def api(tmp_path_factory):
     try:
         server = openai_api.start_openai_server(openai_api.OpenAIConfig(
             grpc_url=triton.grpc_url, tokenizer_dir=str(chat), max_seq_len=MAX_SEQ,
-            port=free_port()), log=work / "openai.log")
+            port=free_port(), max_choices=SLOTS + QUEUE), log=work / "openai.log")
     except BaseException:
         triton.stop()
         raise
@@ -219,7 +219,8 @@ def test_a_request_can_name_its_drafter(client, local):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(n=2), "n"),
+    (dict(n=17), "n"),
+    (dict(n=0), "n"),
     (dict(max_tokens=-1), "max_tokens"),
     (dict(max_tokens=10_000), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
@@ -262,6 +263,90 @@ def wait_for(srv, check, timeout=60):
     while not check(m := metrics(srv)):
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
+
+
+def test_n_choices_each_sample_with_their_own_seed_and_stream_interleaved(api, client):
+    """n > 1: one served request per choice, rows of the same batches. With a seed, choice i
+    samples with seed + i: it is exactly what an n = 1 request with that seed gets.
+    Streamed, each chunk names its choice, each choice ends once, the texts are the same;
+    usage counts the prompt once and sums the completions. Greedy choices are all the greedy
+    answer. When the server has no room for all n, the request is a 503 and the choices it
+    had started are cancelled (their slots free)."""
+    _, triton, _, _ = api
+    kw = dict(model="paradraft", prompt="def parse(", max_tokens=16, temperature=1.0, seed=7)
+    done = client.completions.create(n=3, **kw)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    texts = [c.text for c in done.choices]
+    solos = [client.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    assert texts == [s.choices[0].text for s in solos]
+    assert len(set(texts)) > 1  # their own random numbers
+    assert done.usage.prompt_tokens == solos[0].usage.prompt_tokens
+    assert done.usage.completion_tokens == sum(s.usage.completion_tokens for s in solos)
+    chunks = list(client.completions.create(n=3, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    streamed, ends = ["", "", ""], [0, 0, 0]
+    for c in chunks[:-1]:
+        streamed[c.choices[0].index] += c.choices[0].text
+        ends[c.choices[0].index] += c.choices[0].finish_reason is not None
+    assert streamed == texts and ends == [1, 1, 1]
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    greedy = client.chat.completions.create(model="paradraft", messages=messages, n=2,
+                                            max_tokens=12, temperature=0)
+    one = client.chat.completions.create(model="paradraft", messages=messages, max_tokens=12,
+                                         temperature=0).choices[0].message.content
+    assert [c.message.content for c in greedy.choices] == [one, one]
+    chat_chunks = list(client.chat.completions.create(
+        model="paradraft", messages=messages, n=2, max_tokens=12, temperature=0, stream=True))
+    roles = [c.choices[0].index for c in chat_chunks if c.choices[0].delta.role]
+    assert roles == [0, 1]
+    for index in (0, 1):
+        assert "".join(c.choices[0].delta.content or "" for c in chat_chunks
+                       if c.choices[0].index == index) == one
+
+    # n past what the server holds (2 slots and a queue place) could never be served
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 3\]"):
+        client.completions.create(n=4, **kw)
+    # with one slot taken, 3 long choices fit 2: all or nothing
+    busy = threading.Thread(target=lambda: client.completions.create(
+        model="paradraft", prompt="def busy():", **LONG))
+    busy.start()
+    wait_for(triton, lambda m: m.get("paradraft_active_sequences") == 1)
+    def ended(m):
+        return [total(m, f'paradraft_requests_ended_total{{instance="ensemble_0_0",'
+                         f'model="ensemble",outcome="{outcome}"') for outcome in
+                ("refused", "cancelled")]
+
+    before = metrics(triton, labelled=True)
+    received = total(before, "paradraft_requests_received_total")
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="paradraft", prompt="def long():", n=3, **LONG)
+    assert e.value.status_code == 503
+    busy.join(60)
+    # the three choices reached the model and every request has ended (the gauges alone can
+    # be a flush behind; a request cancelled as it arrived can reach the model late)
+    deadline = time.monotonic() + 30
+    while not (settled(m := metrics(triton, labelled=True))
+               and total(m, "paradraft_requests_received_total") == received + 3):
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    # one refused, the two it had started cancelled: none ran to its end
+    assert [b + d for b, d in zip(ended(before), (1, 2), strict=True)] == ended(m)
+
+
+def total(labelled: dict[str, float], prefix: str) -> float:
+    """The sum of the labelled series whose name and labels start with ``prefix``."""
+    return sum(v for k, v in labelled.items() if k.startswith(prefix))
+
+
+def settled(labelled: dict[str, float]) -> bool:
+    """Every request the model received has ended (finished, cancelled, refused or failed),
+    and no slot or queue place is taken."""
+    return (total(labelled, "paradraft_requests_received_total{")
+            == total(labelled, "paradraft_requests_ended_total{")
+            and total(labelled, "paradraft_active_sequences{") == 0
+            and total(labelled, "paradraft_queue_depth{") == 0)
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving(api, client):

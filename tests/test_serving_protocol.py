@@ -327,7 +327,7 @@ def test_openai_requests_are_validated_field_by_field():
     assert job(temperature=0.7, top_p=0.9).inputs["temperature"] == ("FP32", [0.7])
     assert job(ignore_eos=True).inputs["end_id"] == ("INT32", [-1])
     for body, param, message in [
-        (dict(n=3), "n", "n is not supported"),
+        (dict(n=17), "n", r"n must be an integer in \[1, 16\]"),
         (dict(max_tokens=0), "max_tokens", r"max_tokens must be in \[1, 59\]"),
         (dict(max_tokens=True), "max_tokens", "max_tokens must be an integer"),
         (dict(stream_options={"include_usage": True}), "stream_options", "only with stream"),

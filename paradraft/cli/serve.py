@@ -20,7 +20,12 @@ from paradraft.runtime.drafters import DRAFTERS, MODEL_FREE_DRAFTERS
 from paradraft.runtime.model import load_config
 from paradraft.runtime.serving.openai_api import OpenAIConfig, OpenAIServer, start_openai_server
 from paradraft.runtime.serving.protocol import ServeConfig
-from paradraft.runtime.serving.server import Server, start_server, writing
+from paradraft.runtime.serving.server import (
+    Server,
+    instance_count,
+    start_server,
+    writing,
+)
 from paradraft.runtime.tools.calibrate import CALIBRATED, Calibration
 
 from .common import (
@@ -339,7 +344,8 @@ def openai_config(args: argparse.Namespace, config: ServeConfig, server: Server,
     return OpenAIConfig(grpc_url=f"{grpc_host}:{server.grpc_port}",
                         tokenizer_dir=str(chat_dir(args, server.workdir)),
                         max_seq_len=config.max_seq_len,
-                        served_model_name=args.served_model_name, host=server.host, port=port)
+                        served_model_name=args.served_model_name, host=server.host, port=port,
+                        max_choices=instance_count(config) * (config.max_slots + config.max_queue))
 
 
 def own_openai_server(args: argparse.Namespace, config: ServeConfig, server: Server

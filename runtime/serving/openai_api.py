@@ -31,6 +31,7 @@ from .client import MODEL, answers, is_final, raw_outputs, raw_request
 from .openai_schema import (
     INT32_MAX,
     MAX_STOP,
+    N_MAX,
     REQUESTS,
     RULE_PARAMETERS,
     TEMPERATURE_MAX,
@@ -65,6 +66,9 @@ class OpenAIConfig:
     tokenizer_dir: str  # tokenizer.json, and for chat tokenizer_config.json / a chat template
     max_seq_len: int  # prompt + output tokens per request (the server's --max-seq-len)
     served_model_name: str = "paradraft"  # the id /v1/models lists and requests must name
+    # the most requests the server holds at once (its slots and queue places): n beyond it
+    # could never be served, so it is refused as invalid, not as overloaded
+    max_choices: int = N_MAX
     host: str = "127.0.0.1"
     port: int = 8080
 
@@ -97,6 +101,15 @@ class Job:
     include_usage: bool
     stop: list[str]
     inputs: dict[str, tuple[str, object]] = field(default_factory=dict)  # name -> (type, value)
+    n: int = 1  # choices: one served request each
+
+    def choice_inputs(self, index: int) -> dict[str, tuple[str, object]]:
+        """Choice ``index``'s inputs: with a seed, its own (seed + index), so choice 0 is what
+        n = 1 gives; without, each request draws its own seed on the server."""
+        if index == 0 or "random_seed" not in self.inputs:
+            return self.inputs
+        seed = self.inputs["random_seed"][1][0]
+        return {**self.inputs, "random_seed": ("UINT64", [(seed + index) % 2**64])}
 
 
 # -- request validation: plain functions over the JSON body ------------------------------------
@@ -147,7 +160,6 @@ def check_fields(body: dict, kind: str) -> None:
     if unknown:
         raise invalid(unknown[0], f"unsupported field {unknown[0]!r}: paradraft refuses fields "
                                   "it would otherwise ignore")
-    refuse_unless(body, "n", lambda v: v == 1 and not isinstance(v, bool), "1")
     refuse_unless(body, "best_of", lambda v: v == 1 and not isinstance(v, bool), "1")
     refuse_unless(body, "echo", lambda v: v is False, "false")
     refuse_unless(body, "suffix", lambda v: v == "", "an empty string")
@@ -313,10 +325,11 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
         inputs["stop_words_ids"] = ("INT32", list(chat_stop_ids))
         inputs["stop_words_lengths"] = ("INT32", [1] * len(chat_stop_ids))
     stop = stop_strings(body)
+    n = integer(body, "n", 1, min(N_MAX, config.max_choices))
     refused = validate_body(body, kind)  # the schema's catch-all, after the named checks
     if refused is not None:
         raise invalid(*refused)
-    return Job(chat, ids, max_tokens, stream, include_usage, stop, inputs)
+    return Job(chat, ids, max_tokens, stream, include_usage, stop, inputs, n or 1)
 
 
 # -- the gRPC call ---------------------------------------------------------------------------
@@ -393,12 +406,12 @@ class StopMatcher:
         return out, False
 
 
-async def generate(stub, job: Job) -> AsyncIterator[Piece]:
-    """Run the job on Triton; yield the text as it comes, the final piece last (its
-    ``finish_reason`` set). Cancelling the iteration cancels the gRPC stream, and with it
-    the request on the server."""
+async def generate(stub, job: Job, index: int = 0) -> AsyncIterator[Piece]:
+    """Run the job's choice ``index`` on Triton; yield the text as it comes, the final
+    piece last (its ``finish_reason`` set). Cancelling the iteration cancels the gRPC stream,
+    and with it the request on the server."""
     # not output_ids: every tensor a response carries costs time
-    request = raw_request(MODEL, job.inputs, uuid.uuid4().hex, OUTPUTS)
+    request = raw_request(MODEL, job.choice_inputs(index), uuid.uuid4().hex, OUTPUTS)
 
     async def requests():
         yield request
@@ -443,16 +456,93 @@ async def generate(stub, job: Job) -> AsyncIterator[Piece]:
 
 # -- the app -----------------------------------------------------------------------------------
 
-def usage(job: Job, piece: Piece) -> dict:
-    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": piece.tokens,
-            "total_tokens": len(job.prompt_ids) + piece.tokens,
-            "prompt_tokens_details": {"cached_tokens": piece.cached}}
+def usage(job: Job, pieces: list[Piece]) -> dict:
+    """OpenAI's usage over the choices' last pieces: the prompt counted once, the
+    completions summed; cached tokens are the least any choice read from the cache."""
+    completion = sum(p.tokens for p in pieces)
+    return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(job.prompt_ids) + completion,
+            "prompt_tokens_details": {"cached_tokens": min(p.cached for p in pieces)}}
 
 
-def spec_stats(piece: Piece) -> dict:
-    """The ``paradraft`` object of a response: this request's speculation so far."""
-    return {"acceptance_rate": piece.accepted / piece.drafted if piece.drafted else 0.0,
-            "accepted_draft_tokens": piece.accepted, "draft_tokens": piece.drafted}
+def spec_stats(pieces: list[Piece]) -> dict:
+    """The ``paradraft`` object of a response: its speculation so far, over its choices."""
+    accepted, drafted = sum(p.accepted for p in pieces), sum(p.drafted for p in pieces)
+    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
+            "accepted_draft_tokens": accepted, "draft_tokens": drafted}
+
+
+async def all_or_none(awaitables) -> list:
+    """Await them all; if one fails (or this is cancelled), cancel the rest and wait until
+    they have stopped (a stream can be closed only then), and raise."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def first_pieces(streams: list[AsyncIterator[Piece]]) -> list[Piece]:
+    """Each choice's first piece (a full queue refuses the request before any byte goes
+    out); if one fails, the others are cancelled and closed and its error raised."""
+    try:
+        return await all_or_none(anext(s) for s in streams)
+    except BaseException:
+        await close_all(streams)
+        raise
+
+
+async def close_all(streams: list[AsyncIterator[Piece]]) -> None:
+    for stream in streams:
+        await stream.aclose()  # cancels its gRPC call if it has not ended
+
+
+async def to_end(first: Piece, pieces: AsyncIterator[Piece]) -> tuple[str, Piece]:
+    """One choice's whole text and its final piece."""
+    texts, piece = [first.text], first
+    while not piece.finish_reason:
+        piece = await anext(pieces)
+        texts.append(piece.text)
+    return "".join(texts), piece
+
+
+async def merged(firsts: list[Piece], streams: list[AsyncIterator[Piece]]
+                 ) -> AsyncIterator[tuple[int, Piece]]:
+    """The choices' pieces as they come, each with its choice's index; the first error
+    any choice meets ends it all. Closing it cancels what still runs."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, piece: Piece, pieces: AsyncIterator[Piece]) -> None:
+        try:
+            while True:
+                await queue.put((index, piece, None))
+                if piece.finish_reason:
+                    return
+                piece = await anext(pieces)
+        except ApiError as e:
+            await queue.put((index, None, e))
+        except Exception as e:  # a bug: the stream still ends with an error event
+            await queue.put((index, None, ApiError(500, f"internal error: {e}",
+                                                   kind="server_error")))
+
+    pumps = [asyncio.ensure_future(pump(i, first, stream))
+             for i, (first, stream) in enumerate(zip(firsts, streams, strict=True))]
+    try:
+        running = len(streams)
+        while running:
+            index, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            yield index, piece
+            running -= bool(piece.finish_reason)
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        await close_all(streams)
 
 
 def create_app(config: OpenAIConfig):
@@ -497,36 +587,36 @@ def create_app(config: OpenAIConfig):
                 raise invalid(None, "the request body is not valid JSON") from None
             job = parse_job(body, kind, tokenizer, config, chat_stop_ids)
             ident = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-            pieces = generate(state["stub"], job)
-            # the first response before any byte goes out: a full queue is still a 503
-            first = await until_disconnect(request, anext(pieces))
+            # one served request per choice: they run as rows of the same batches
+            streams = [generate(state["stub"], job, i) for i in range(job.n)]
+            # the first responses before any byte goes out: a full queue is still a 503
+            firsts = await until_disconnect(request, first_pieces(streams))
         except ApiError as e:
             return error_response(e)
         except ClientGone:
             return JSONResponse({}, status_code=499)
         head = {"id": ident, "created": int(time.time()), "model": config.served_model_name}
         if job.stream:
-            return StreamingResponse(sse(job, head, first, pieces),
+            return StreamingResponse(sse(job, head, merged(firsts, streams)),
                                      media_type="text/event-stream")
         try:
-            texts, piece = [first.text], first
-            while not piece.finish_reason:
-                piece = await until_disconnect(request, anext(pieces))
-                texts.append(piece.text)
+            ends = await until_disconnect(request, all_or_none(
+                to_end(first, s) for first, s in zip(firsts, streams, strict=True)))
         except ApiError as e:
             return error_response(e)
         except ClientGone:
             return JSONResponse({}, status_code=499)
         finally:
-            await pieces.aclose()
-        text = "".join(texts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": None, "finish_reason": piece.finish_reason} if job.chat else
-                  {"index": 0, "text": text, "logprobs": None,
-                   "finish_reason": piece.finish_reason})
+            await close_all(streams)
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": piece.finish_reason} if job.chat else
+                   {"index": i, "text": text, "logprobs": None,
+                    "finish_reason": piece.finish_reason}
+                   for i, (text, piece) in enumerate(ends)]
+        lasts = [piece for _, piece in ends]
         return JSONResponse({
             **head, "object": "chat.completion" if job.chat else "text_completion",
-            "choices": [choice], "usage": usage(job, piece), "paradraft": spec_stats(piece)})
+            "choices": choices, "usage": usage(job, lasts), "paradraft": spec_stats(lasts)})
 
     async def completions(request: Request):
         return await handle(request, "completions")
@@ -606,6 +696,7 @@ async def until_disconnect(request, awaitable):
         gone.cancel()
         return task.result()
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # stopped: its streams can be closed
     raise ClientGone()
 
 
@@ -616,39 +707,43 @@ async def wait_disconnect(request) -> None:
             return
 
 
-def sse(job: Job, head: dict, first: Piece, pieces: AsyncIterator[Piece]):
-    """The server-sent events of a streamed response (OpenAI's chunk format). Starlette
-    cancels this generator when the client disconnects; closing ``pieces`` then cancels the
-    gRPC stream."""
+def sse(job: Job, head: dict, pieces: AsyncIterator[tuple[int, Piece]]):
+    """The server-sent events of a streamed response (OpenAI's chunk format), the choices'
+    chunks interleaved as they come. Starlette cancels this generator when the client
+    disconnects; closing ``pieces`` then cancels the gRPC streams."""
     kind = "chat.completion.chunk" if job.chat else "text_completion"
 
-    def chunk(text: str | None, reason: str | None, role: bool = False, **extra) -> str:
+    def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
+              **extra) -> str:
         if job.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": None,
+                      "finish_reason": reason}
         body = {**head, "object": kind, "choices": [choice], **extra}
         if job.include_usage:
             body.setdefault("usage", None)
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     async def events():
-        piece = first
+        lasts: list[Piece | None] = [None] * job.n
         try:
             if job.chat:
-                yield chunk(None, None, role=True)
-            while True:
+                for index in range(job.n):
+                    yield chunk(index, None, None, role=True)
+            async for index, piece in pieces:
+                lasts[index] = piece
                 if piece.text:
-                    yield chunk(piece.text, None)
+                    yield chunk(index, piece.text, None)
                 if piece.finish_reason:
-                    break
-                piece = await anext(pieces)
-            yield chunk(None, piece.finish_reason, paradraft=spec_stats(piece))
+                    yield chunk(index, None, piece.finish_reason,
+                                paradraft=spec_stats([piece]))
             if job.include_usage:  # OpenAI's usage chunk: no choices
-                last = {**head, "object": kind, "choices": [], "usage": usage(job, piece),
-                        "paradraft": spec_stats(piece)}
+                last = {**head, "object": kind, "choices": [], "usage": usage(job, lasts),
+                        "paradraft": spec_stats(lasts)}
                 yield f"data: {json.dumps(last, separators=(',', ':'))}\n\n"
         except ApiError as e:  # after the headers went out: an error event ends the stream
             yield f"data: {json.dumps(e.body())}\n\n"

@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from ..correction import PARAMETER_RANGES
 
 MAX_STOP = 16  # stop strings per request
+N_MAX = 16  # choices per request (n): each is a request in the served batch
 TEMPERATURE_MAX = PARAMETER_RANGES["temperature"][1]  # and 0: greedy
 INT32_MAX = 2**31 - 1  # what an INT32 tensor holds
 RULE_PARAMETERS = ("tau", "gamma", "alpha", "epsilon", "delta")
@@ -67,7 +68,9 @@ class Sampling(Body):
         None, description="at most max_seq_len minus the prompt's tokens")
     temperature: Annotated[float, Field(ge=0, le=TEMPERATURE_MAX)] | None = None
     top_p: in_range("top_p") | None = None
-    n: integer(ge=1, le=1) | None = None
+    n: integer(ge=1, le=N_MAX) | None = Field(
+        None, description="choices, sampled as rows of one batch; with seed, choice i "
+                          "samples with seed + i")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: integer(ge=-2**63, le=2**64 - 1) | None = None
     presence_penalty: only(0) | None = None
