@@ -161,6 +161,9 @@ def row_randoms(streams: RowStreams, k: int, vocab: int) -> Randoms:
 
 
 RADIX_BITS = 10  # a float32 in [0, 1] has 30 bits below its sign and top exponent bit
+# top_p_floor's histograms per distribution: 3 rounds of 2 * 2^RADIX_BITS bins, whatever the
+# vocabulary (with a small one they, not the logits, are a row's temporaries)
+TOP_P_ELEMENTS = 3 * 2 * (1 << RADIX_BITS)
 
 
 def top_p_floor(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
@@ -178,6 +181,12 @@ def top_p_floor(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
     histogram of the next 10 bits of the tokens in the range the rounds before left, keep the
     lowest bin whose mass strictly above is < top_p. Three scatter-add passes over the rows,
     for any distribution; the kernels bisect the same bit patterns, one bit per pass."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    row_elements = max(flat.shape[-1], TOP_P_ELEMENTS)
+    if len(row_blocks(flat.shape[0], row_elements, flat.device)) > 1:
+        # on the CPU in row blocks: the histograms of many rows would not fit the heap
+        floor, mass = by_row_blocks(lambda rows: top_p_floor(rows, top_p), row_elements, flat)
+        return floor.reshape(*probs.shape[:-1], 1), mass.reshape(*probs.shape[:-1], 1)
     p = probs.float().contiguous()
     bits = p.view(torch.int32)
     lead, width = p.shape[:-1], 1 << RADIX_BITS
@@ -425,8 +434,9 @@ def correct(
     if params.is_greedy:
         return correct_greedy(target_logits, draft_tokens, num_drafted)
     # rows are independent: on the CPU they go in blocks that keep temporaries small
+    positions, vocab = target_logits.shape[1:]
     num_accepted, next_token = by_row_blocks(
-        lambda *tensors: correct_sampled(*tensors, params), math.prod(target_logits.shape[1:]),
+        lambda *tensors: correct_sampled(*tensors, params), positions * max(vocab, TOP_P_ELEMENTS),
         target_logits, draft_tokens, draft_probs, randoms.accept_uniforms,
         randoms.sample_noise, num_drafted)
     return num_accepted, next_token
