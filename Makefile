@@ -10,10 +10,12 @@ STAMP := $(VENV)/.installed
 TRITON := $(VENV)/pytriton/pytriton/tritonserver/bin/tritonserver
 PYTRITON := nvidia-pytriton==0.7.0
 
+# --no-compile: Python compiles what it imports on first use; byte-compiling every installed
+# module (torch's thousands) up front took CI a minute
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 # The tritonserver binary (CPU) from the nvidia-pytriton wheel, unpacked into the venv without

@@ -150,7 +150,7 @@ needs_demo = pytest.mark.skipif(
 
 @needs_demo
 def test_bench_end_to_end_writes_well_formed_json(tmp_path):
-    r = run_cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "1,2",
+    r = run_cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "2",
             "--batch-sizes", "1,2", "--repeats", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
