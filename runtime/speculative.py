@@ -27,12 +27,14 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .backends.kernels import correct_for
 from .correction import MAX_K, RowStreams, RuleParams, check_k, check_range, row_randoms
 from .drafters import AnyDrafter, Drafter, NgramDrafter, SuffixDrafter
+from .grammar import RowGrammar, allowed_tokens
 from .k_policy import (
     RoundCosts,
     RoundPlan,
@@ -226,7 +228,9 @@ class SpeculativeDecoder:
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
         leaked_rows = None
-        if self._fused_round():
+        # constrained rows: the tokens their grammar allows at each verified position
+        allowed = self._grammar_masks(slots, draft_tokens, drafted)
+        if self._fused_round() and allowed is None:  # the logits must be masked out here
             # 2 + 3 in one engine call: only the counts and tokens leave it, not the logits
             # (its time counts as verify time)
             num_accepted, next_token, _ = self.verifier.verify_and_correct(
@@ -241,6 +245,8 @@ class SpeculativeDecoder:
                 self.verifier, "feeds_ragged", False) else {}
             logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound,
                                          rows=cache_rows, audit=audit, **ragged)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
             t2 = time.perf_counter()
             # 3. correct: a position that looked at a later one (the audit) is not trusted
             if audit:
@@ -339,13 +345,35 @@ class SpeculativeDecoder:
             total[1] += n
             total[2] += n + (n < d)  # the accepted positions, and the rejected one if any
             block = row[skip: skip + n + 1]
+            grammar = self.grammars[slot]
+            if grammar is not None:  # the row ends where its grammar is complete
+                block = grammar.advance(block)
             self.host_tokens[slot] += block  # as the cache holds them (past a stop too)
             tokens, alive = self._stop(slot, block)
+            alive = alive and not (grammar is not None and grammar.done)
             gained.append(tokens)
             running.append(alive)
         for name, (d, n, reached) in totals.items():
             self.monitors[name].update(d, n, reached)
         return gained, running
+
+    def _grammar_masks(self, slots: list[int], draft_tokens: Tensor, drafted: list[int]
+                       ) -> Tensor | None:
+        """Bool [B, width + 1, vocab]: the tokens each row's grammar allows at each verified
+        position, after the drafts before it (all, for rows without one); None when no row
+        has a grammar. The matchers live on the host, so a round with a constrained row
+        moves its drafts there (one transfer); the walk is per constrained row."""
+        if all(self.grammars[s] is None for s in slots):
+            return None
+        vocab = self.verifier.config.vocab_size
+        width = draft_tokens.shape[1]
+        bitmasks = np.full((len(slots), width + 1, (vocab + 31) // 32), -1, dtype=np.int32)
+        drafts = draft_tokens.tolist()
+        for b, s in enumerate(slots):
+            grammar = self.grammars[s]
+            if grammar is not None:
+                grammar.masks(drafts[b][: drafted[b]], bitmasks[b])
+        return allowed_tokens(bitmasks, vocab).to(self.device)
 
     def drafter_of(self, slot: int) -> str:
         """Which drafter drafts this slot's request: "ngram" (the lookup) or "model"."""
@@ -664,6 +692,7 @@ class SpeculativeDecoder:
         self.host_tokens: list[list[int]] = [[] for _ in range(S)]
         self.draft_valid = [0] * S
         self.slot_cached = [0] * S  # prompt tokens the slot's request found in the cache
+        self.grammars: list[RowGrammar | None] = [None] * S  # constrained requests' matchers
         self.caught_up = False  # the last draft pass re-fed a lazy prefill
         self.fused_rounds = 0  # rounds verified and corrected in one engine call
         self.fused_fallback: dict[str, int] = {}  # rounds run unfused though fused is on
@@ -692,6 +721,7 @@ class SpeculativeDecoder:
         num_draft_tokens: list[int | None] | None = None,
         lookup_drafts: list[bool] | None = None,
         cached: list[int] | None = None,
+        grammars: list[RowGrammar | None] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier over the prompts and take the
         first token from the same correction code (K=0). A separate draft model's prefill
@@ -704,16 +734,18 @@ class SpeculativeDecoder:
         or None. ``num_draft_tokens``: per-request K (<= the decoder's K; None: K, left to the
         goodput policy; a K named here is the request's own, which the policy leaves be;
         0: no drafts). ``lookup_drafts``: per request, draft with the decoder's ``lookup``
-        instead of its drafter (default: no request does).
+        instead of its drafter (default: no request does). ``grammars``: per request, the
+        matcher (``grammar.RowGrammar``, fresh) its output must follow, or None.
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, seeds,
-                                 num_draft_tokens, lookup_drafts, cached)
+                                 num_draft_tokens, lookup_drafts, cached, grammars)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
                  eos_token_ids: list[EosIds], seeds: list[int],
                  num_draft_tokens: list[int | None] | None, lookup_drafts: list[bool] | None,
-                 cached: list[int] | None) -> tuple[list[list[int]], list[bool]]:
+                 cached: list[int] | None, grammars: list[RowGrammar | None] | None = None
+                 ) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
         cached = self._check_cached(slots, prompts, cached)
@@ -762,8 +794,12 @@ class SpeculativeDecoder:
             self.drafted_hist[s] = [0] * (width + 1)
             self.slot_times[s] = [0.0] * 4
             self.slot_cached[s] = cached[b]
+            self.grammars[s] = None if grammars is None else grammars[b]
         logits = self._feed_prompts(slots, prompts, cached, [len(p) for p in prompts])
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        allowed = self._grammar_masks(slots, empty, [0] * B)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         vocab = self.verifier.config.vocab_size
         randoms = None if self.params.is_greedy else row_randoms(
             RowStreams.for_rows(self.seeds[rows], self.generated[rows]), 0, vocab)
@@ -771,9 +807,14 @@ class SpeculativeDecoder:
         self.tokens[rows, prompt_lens] = first
         self.generated[rows] = 1
         first = first.tolist()
+        out = []
         for s, t in zip(slots, first, strict=True):
             self.host_tokens[s].append(t)
-        out = [self._stop(s, [t]) for s, t in zip(slots, first, strict=True)]
+            grammar = self.grammars[s]
+            if grammar is not None:
+                grammar.advance([t])
+            tokens, alive = self._stop(s, [t])
+            out.append((tokens, alive and not (grammar is not None and grammar.done)))
         for s in slots:
             self.slot_times[s][3] += time.perf_counter() - t0
         return [tokens for tokens, _ in out], [alive for _, alive in out]
@@ -896,6 +937,7 @@ class SpeculativeDecoder:
         eos_token_id: EosIds = None,
         stats: list[SpecStats] | None = None,
         seeds: list[int] | None = None,
+        grammars: list[RowGrammar | None] | None = None,
     ) -> Iterator[list[list[int]]]:
         """Yield, per round, the tokens each row gained (an empty list for finished rows).
         ``eos_token_id``: an id or a list of ids; a row stops after the first it emits.
@@ -903,6 +945,7 @@ class SpeculativeDecoder:
         samples as it does alone with that seed, whatever batch it runs in.
 
         ``stats``: pass an empty list to receive per-row SpecStats (filled when done).
+        ``grammars``: per row, a fresh matcher its output must follow, or None.
         """
         B = len(prompts)
         if not 1 <= B <= self.max_batch_size:
@@ -919,7 +962,8 @@ class SpeculativeDecoder:
         if seeds is not None and len(seeds) != B:
             raise ValueError(f"seeds: one per prompt; got {len(seeds)} for {B}")
         new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B,
-                                    row_seeds(seed, B) if seeds is None else seeds)
+                                    row_seeds(seed, B) if seeds is None else seeds,
+                                    grammars=grammars)
         while True:
             out = [[] for _ in range(B)]
             for slot, tokens in zip(slots, new, strict=True):
@@ -943,11 +987,12 @@ class SpeculativeDecoder:
         seed: int = 0,
         eos_token_id: EosIds = None,
         seeds: list[int] | None = None,
+        grammars: list[RowGrammar | None] | None = None,
     ) -> GenerationResult:
         out: list[list[int]] = [[] for _ in prompts]
         row_stats: list[SpecStats] = []
         for step in self.stream(prompts, max_new_tokens, seed, eos_token_id, row_stats,
-                                seeds):
+                                seeds, grammars):
             for row, new in zip(out, step, strict=True):
                 row.extend(new)
         return GenerationResult(out, row_stats, aggregate(row_stats))
