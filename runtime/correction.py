@@ -164,6 +164,7 @@ RADIX_BITS = 10  # a float32 in [0, 1] has 30 bits below its sign and top expone
 # top_p_floor's histograms per distribution: 3 rounds of 2 * 2^RADIX_BITS bins, whatever the
 # vocabulary (with a small one they, not the logits, are a row's temporaries)
 TOP_P_ELEMENTS = 3 * 2 * (1 << RADIX_BITS)
+TOP_P_SMALLEST = 2.0**-20  # top_p_floor's effective least top_p (the same nucleus below it)
 
 
 def top_p_floor(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
@@ -181,6 +182,11 @@ def top_p_floor(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
     histogram of the next 10 bits of the tokens in the range the rounds before left, keep the
     lowest bin whose mass strictly above is < top_p. Three scatter-add passes over the rows,
     for any distribution; the kernels bisect the same bit patterns, one bit per pass."""
+    # a top_p below float32's resolution near 1 is lost in ``top - top_p`` below, which then
+    # skips every bin (an empty nucleus: NaN probabilities). Any top_p <= 2^-20 keeps the
+    # same nucleus, the likeliest tokens only: the top one holds >= 1/V > 2^-20 of the mass
+    # for any vocabulary under 2^20
+    top_p = max(top_p, TOP_P_SMALLEST)
     flat = probs.reshape(-1, probs.shape[-1])
     row_elements = max(flat.shape[-1], TOP_P_ELEMENTS)
     if len(row_blocks(flat.shape[0], row_elements, flat.device)) > 1:

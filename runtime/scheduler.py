@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .correction import RuleParams
+from .grammar import RowGrammar
 from .metrics import SpecStats
 from .speculative import SpeculativeDecoder
 
@@ -78,6 +79,7 @@ class Request:
     stop_sequences: list[list[int]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     recent: list[int] = field(default_factory=list)  # output tail a stop sequence may start in
+    grammar: RowGrammar | None = None  # a fresh matcher the output must follow
 
 
 def group_key(params: RuleParams) -> RuleParams:
@@ -324,7 +326,8 @@ class Scheduler:
                 slots, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs],
                 [r.eos_token_id for r in reqs], [r.seed for r in reqs],
                 [r.num_draft_tokens for r in reqs],  # None: the decoder's K, planned
-                [r.lookup_drafts for r in reqs], [pending[s].done for s in slots])
+                [r.lookup_drafts for r in reqs], [pending[s].done for s in slots],
+                [r.grammar for r in reqs])
             for slot, req in zip(slots, reqs, strict=True):
                 # the tokens a earlier request left, not the chunks this one fed
                 self.decoder.slot_cached[slot] = pending[slot].cached

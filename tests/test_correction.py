@@ -317,3 +317,18 @@ def test_row_blocks_give_the_same_result(rule, monkeypatch):
             assert [t.tolist() for t in got] == [t.tolist() for t in want]
             assert len(correction.row_blocks(B, (K + 1) * V, logits.device)) == -(-B // rows)
         monkeypatch.undo()
+
+
+def test_a_top_p_below_float_resolution_keeps_the_likeliest_token():
+    """top_p far below float32's resolution near 1 (5e-324 arrives as 2^-149): the nucleus is
+    the likeliest token, not empty (an empty one made NaN probabilities, and a grammar's
+    masked-out token 0 was sampled)."""
+    from paradraft.runtime.correction import top_p_mask
+
+    probs = torch.zeros(2, 50)
+    probs[0, 7] = 1.0  # a grammar that allows one token
+    probs[1, :3] = torch.tensor([0.5, 0.3, 0.2])
+    for top_p in (2.0**-149, 1e-30, 1e-7):
+        mask = top_p_mask(probs, top_p)
+        assert mask[0].nonzero().flatten().tolist() == [7], top_p
+        assert mask[1].nonzero().flatten().tolist() == [0], top_p

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from test_triton import HAVE_SERVER, MODELS, free_port, metrics
@@ -243,7 +244,7 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(client, kwargs, par
 
 def test_chat_refusals_name_the_field(client):
     for kwargs, param in [(dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-                          (dict(response_format={"type": "json_object"}), "response_format"),
+                          (dict(response_format={"type": "xml"}), "response_format"),
                           (dict(messages=[]), "messages")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{"model": "paradraft", "messages": [
@@ -347,6 +348,74 @@ def settled(labelled: dict[str, float]) -> bool:
             == total(labelled, "paradraft_requests_ended_total{")
             and total(labelled, "paradraft_active_sequences{") == 0
             and total(labelled, "paradraft_queue_depth{") == 0)
+
+
+def test_response_format_json_schema_and_json_object_follow_their_grammar(api, client,
+                                                                           local):
+    """response_format, served: the chat reply with a JSON schema is what the in-process
+    decoder gives under the same grammar, streamed or not, and validates; the official
+    client's ``parse`` with a pydantic model gets its object; json_object replies are JSON
+    objects (completions too); a schema that does not compile is a 400 naming
+    response_format with the reason."""
+    from typing import Literal
+
+    import jsonschema
+    from pydantic import BaseModel
+
+    from paradraft.runtime.grammar import Guide, RowGrammar, compile_guide
+
+    _, _, config, chat = api
+    _, tok, _ = local
+    schema = {"type": "object", "properties": {
+        "label": {"enum": ["bug", "feature", "question"]}, "urgent": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["label", "urgent", "score"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Classify: the parser crashes on empty input."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": schema}}
+    done = client.chat.completions.create(model="paradraft", messages=messages, max_tokens=48,
+                                          temperature=0, response_format=fmt)
+    text = done.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert done.choices[0].finish_reason == "stop"
+    # the same grammar in process
+    tokenizer = str(Path(config.verifier) / "tokenizer.json")
+    vocab = load_model(config.verifier).config.vocab_size
+    grammar = RowGrammar(compile_guide(Guide("json_schema", json.dumps(schema)), tokenizer,
+                                       vocab), tokenizer, vocab)
+    ids = tok.encode(format_chat(chat, messages), add_special_tokens=False).ids
+    dec = SpeculativeDecoder(load_model(config.verifier),
+                             Drafter("model", load_model(config.draft)), RuleParams("greedy"),
+                             k=config.k, max_batch_size=1, max_seq_len=MAX_SEQ)
+    out = dec.generate([ids], 48, eos_token_id=config.eos_token_id,
+                       grammars=[grammar]).token_ids[0]
+    assert text == tok.decode(out, skip_special_tokens=True)
+    chunks = list(client.chat.completions.create(model="paradraft", messages=messages,
+                                                 max_tokens=48, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+    class Ticket(BaseModel):
+        label: Literal["bug", "feature", "question"]
+        urgent: bool
+
+    parsed = client.chat.completions.parse(model="paradraft", messages=messages,
+                                           max_tokens=48, temperature=0,
+                                           response_format=Ticket)
+    assert isinstance(parsed.choices[0].message.parsed, Ticket)
+    for reply in (client.chat.completions.create(
+            model="paradraft", messages=messages, max_tokens=64, temperature=0,
+            response_format={"type": "json_object"}).choices[0].message.content,
+                  client.completions.create(
+            model="paradraft", prompt="config = ", max_tokens=64, temperature=0,
+            extra_body={"response_format": {"type": "json_object"}}).choices[0].text):
+        assert reply.startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="paradraft", messages=messages, max_tokens=8,
+                                       response_format=bad)
+    assert e.value.body["param"] == "response_format"
+    assert "does not exist" in e.value.body["message"]
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_server_keeps_serving(api, client):

@@ -172,12 +172,29 @@ def check_fields(body: dict, kind: str) -> None:
     refuse_unless(body, "functions", lambda v: v == [], "[] (no function calls)")
     refuse_unless(body, "tool_choice", lambda v: v == "none", '"none"')
     refuse_unless(body, "function_call", lambda v: v == "none", '"none"')
-    refuse_unless(body, "response_format", lambda v: v == {"type": "text"},
-                  '{"type": "text"}')
     refuse_unless(body, "top_k", lambda v: v in (-1, 0, 1) and not isinstance(v, bool),
                   "-1 or 0 (off), 1 (greedy)")
     refuse_unless(body, "min_tokens", lambda v: v in (0, 1) and not isinstance(v, bool), "0, 1")
     refuse_unless(body, "repetition_penalty", lambda v: v == 1 and not isinstance(v, bool), "1")
+
+
+def guide_inputs(response_format) -> dict[str, tuple[str, object]]:
+    """The served model's guided decoding inputs for ``response_format`` (none for text)."""
+    if response_format is None or response_format == {"type": "text"}:
+        return {}
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return {"guided_decoding_guide_type": ("BYTES", [b"json"])}
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(schema or {}, dict):
+        raise invalid("response_format", "response_format must be {\"type\": \"text\"}, "
+                                         "{\"type\": \"json_object\"} or {\"type\": "
+                                         "\"json_schema\", \"json_schema\": {\"name\": ..., "
+                                         f"\"schema\": {{...}}}}}}; got {response_format!r}")
+    schema = schema or {"type": "object"}  # none given: any JSON object
+    return {"guided_decoding_guide_type": ("BYTES", [b"json_schema"]),
+            "guided_decoding_guide": ("BYTES", [json.dumps(schema).encode()])}
 
 
 def stop_strings(body: dict) -> list[str]:
@@ -326,6 +343,7 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
         inputs["stop_words_lengths"] = ("INT32", [1] * len(chat_stop_ids))
     stop = stop_strings(body)
     n = integer(body, "n", 1, min(N_MAX, config.max_choices))
+    inputs.update(guide_inputs(body.get("response_format")))
     refused = validate_body(body, kind)  # the schema's catch-all, after the named checks
     if refused is not None:
         raise invalid(*refused)
@@ -359,6 +377,8 @@ def field_named(message: str, chat: bool) -> str | None:
     match = re.match(r"\s*(\w+)", message)
     name = match.group(1) if match else ""
     name = {"random_seed": "seed", "end_id": "ignore_eos",
+            "guided_decoding_guide": "response_format",
+            "guided_decoding_guide_type": "response_format",
             "input_ids": "messages" if chat else "prompt"}.get(name, name)
     return name if name in FIELDS["chat" if chat else "completions"] else None
 

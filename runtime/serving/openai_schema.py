@@ -58,6 +58,27 @@ class TextFormat(Body):
     type: Literal["text"]
 
 
+class JsonObjectFormat(Body):
+    """Any JSON object (compact: no whitespace between tokens)."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    # "schema" would shadow pydantic's own attribute: read through an alias
+    json_schema: dict | None = Field(None, alias="schema",
+                                     description="the JSON schema the output follows")
+    strict: bool | None = Field(None, description="always strict here: the output follows "
+                                                  "the schema exactly")
+
+
+class JsonSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
 class Sampling(Body):
     """The fields of both endpoints: OpenAI's, vLLM's extras, and ours (speculation)."""
 
@@ -77,6 +98,9 @@ class Sampling(Body):
     frequency_penalty: only(0) | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     logprobs: Literal[False] | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
+        None, description="json_object or json_schema: the output follows it (guided "
+                          "decoding; rejected drafts roll the grammar back)")
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -135,7 +159,6 @@ class ChatCompletionRequest(Sampling):
     functions: Annotated[list[dict], Field(max_length=0)] | None = None
     tool_choice: Literal["none"] | None = None
     function_call: Literal["none"] | None = None
-    response_format: TextFormat | None = None
 
 
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

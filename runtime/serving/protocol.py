@@ -21,6 +21,7 @@ from ..checkpoints import DTYPES, load_draft, resolve_dtype
 from ..compiled import compile_decoder
 from ..correction import RULES, RuleParams, check_range
 from ..drafters import DRAFTERS, MODEL_FREE_DRAFTERS, Drafter, NgramDrafter, SuffixDrafter
+from ..grammar import GUIDE_TYPES, Guide, RowGrammar, compile_guide
 from ..k_policy import check_draft_len_schedule
 from ..model import load_model
 from ..scheduler import Scheduler
@@ -304,6 +305,7 @@ class ParsedRequest:
     stream: bool
     stop_sequences: list[list[int]]
     lookup_drafts: bool = False  # drafter "ngram" on a server whose drafter has a model
+    guide: Guide | None = None  # what the output must follow (the model compiles it)
 
 
 def request_drafters(config: ServeConfig) -> tuple[str, ...]:
@@ -338,6 +340,7 @@ REQUEST_INPUTS = ("text_input", "input_ids", "input_lengths", "max_tokens", "str
                   "temperature", "top_p", "random_seed", "num_draft_tokens", "drafter", "end_id",
                   "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta", "stop_words",
                   "bad_words", "stop_words_ids", "stop_words_lengths",
+                  "guided_decoding_guide_type", "guided_decoding_guide",
                   *NEUTRAL_INPUTS, *IGNORED_INPUTS)
 
 
@@ -550,7 +553,34 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
     return ParsedRequest(prompt, max_tokens, params, k, seed % 2**63,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
                          bool(stream), stop_sequences(inputs, tokenizer),
-                         lookup_drafts=drafter == "ngram" and config.drafter != "ngram")
+                         lookup_drafts=drafter == "ngram" and config.drafter != "ngram",
+                         guide=guide_of(inputs))
+
+
+def row_grammar(guide: Guide, tokenizer_json: str, vocab_size: int) -> RowGrammar:
+    """A fresh matcher for a request's guide, compiled (or found in the cache) in the
+    request's thread, off the decode loop; ValueError names guided_decoding_guide."""
+    return RowGrammar(compile_guide(guide, tokenizer_json, vocab_size), tokenizer_json,
+                      vocab_size)
+
+
+def guide_of(inputs: dict[str, np.ndarray]) -> Guide | None:
+    """TensorRT-LLM's guided decoding inputs: the guide's type and text (a JSON schema, a
+    regex, a Lark grammar; none for ``json``: any JSON object)."""
+    kind = scalar(inputs, "guided_decoding_guide_type", str)
+    text = scalar(inputs, "guided_decoding_guide", str)
+    if kind is None:
+        if text is not None:
+            raise ValueError("guided_decoding_guide needs guided_decoding_guide_type (one of "
+                             f"{', '.join(GUIDE_TYPES)})")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise ValueError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}; "
+                         f"got {kind!r}")
+    if kind != "json" and not text:
+        raise ValueError(f"guided_decoding_guide is required for guided_decoding_guide_type "
+                         f"{kind!r}")
+    return Guide(kind, text or "")
 
 
 def eos_or_none(end_id: int) -> int | None:

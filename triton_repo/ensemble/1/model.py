@@ -384,6 +384,7 @@ class TritonPythonModel:
         with open(params["model_config"]) as f:
             self.config = protocol.ServeConfig(**json.load(f))
         self.tokenizer = Tokenizer.from_file(params["tokenizer_path"])
+        self.tokenizer_path = params["tokenizer_path"]  # guided decoding's grammars read it
         # this instance's device: Triton places each instance of the instance_group
         self.instance = args["model_instance_name"]
         device = protocol.instance_device(self.config, args["model_instance_kind"],
@@ -581,7 +582,16 @@ class TritonPythonModel:
                             prompt=prompt):
             self.outbox.put(self.metrics.flush)
 
+    def grammar_for(self, guide):
+        """A fresh matcher for the request's guide (compiled here, in the request's thread,
+        off the decode loop, and cached by guide), or None; ValueError names the input."""
+        if guide is None:
+            return None
+        return self.protocol.row_grammar(guide, self.tokenizer_path,
+                                         self.scheduler.decoder.verifier.config.vocab_size)
+
     def make_request(self, parsed, sender, wanted, request_id=""):
+        grammar = self.grammar_for(parsed.guide)
         s = Stream(parsed, sender, self.protocol.Detokenizer(self.tokenizer, parsed.prompt),
                    request_id, self.k)
         scheduler, outbox, interval = self.scheduler, self.outbox, self.config.stream_interval
@@ -654,7 +664,7 @@ class TritonPythonModel:
 
         me = self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                           on_done, num_draft_tokens=parsed.num_draft_tokens,
-                          lookup_drafts=parsed.lookup_drafts,
+                          lookup_drafts=parsed.lookup_drafts, grammar=grammar,
                           seed=parsed.seed, eos_token_id=parsed.eos_token_id,
                           # a running request's flag is polled by the sender thread; a
                           # queued one is asked directly (only at admission, or when the
