@@ -217,6 +217,9 @@ class SpeculativeDecoder:
         draft_tokens, draft_probs, keep, drafted, k_draft, draft_seconds, plan = (
             self._draft_block(slots, tokens, lengths, k, auto and self.costs is not None,
                               bound, streams, rows, cache_rows))
+        # constrained rows draft what their grammar forces (a key, '":'), when it does
+        draft_tokens, draft_probs, keep, replaced = self._grammar_drafts(
+            slots, draft_tokens, draft_probs, keep, drafted)
         t1 = time.perf_counter()
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
         width = draft_tokens.shape[1]
@@ -287,7 +290,7 @@ class SpeculativeDecoder:
             # more than the model's K), so only what was there before this round and the
             # newest token
             for s, before in zip(slots, lengths_before, strict=True):
-                fed = k_draft if self.drafter_of(s) == "model" else 1
+                fed = k_draft if self.drafter_of(s) == "model" and s not in replaced else 1
                 self.draft_valid[s] = min(self.host_lengths[s] - 1, before + fed)
         t3 = time.perf_counter()
         self.last_round = (k_draft, width, draft_seconds, t3 - t1)
@@ -356,6 +359,43 @@ class SpeculativeDecoder:
         for name, (d, n, reached) in totals.items():
             self.monitors[name].update(d, n, reached)
         return gained, running
+
+    def _grammar_drafts(self, slots: list[int], draft_tokens: Tensor, draft_probs: Tensor | None,
+                        keep: Tensor, drafted: list[int]
+                        ) -> tuple[Tensor, Tensor | None, Tensor, set[int]]:
+        """Where a constrained row's grammar forces its next tokens (known without a model:
+        verified, they are accepted unless the row ends), they become the row's drafts, in
+        place of the drafter's, unless it proposed them already (and maybe more). The round
+        widens for them up to the decoder's K (a lookup that found nothing leaves it 0),
+        except past sampled drafts, whose q has no room. Returns the drafts, their q, the
+        kept counts (copies where changed) and the slots whose drafts were replaced (a draft
+        model's cache holds none of them); ``drafted`` is updated in place."""
+        replaced: set[int] = set()
+        if not self.k or all(self.grammars[s] is None for s in slots):
+            return draft_tokens, draft_probs, keep, replaced
+        width = draft_tokens.shape[1]
+        room = width if draft_probs is not None else self.k
+        forced = [[] if self.grammars[s] is None else self.grammars[s].forced()[:room]
+                  for s in slots]
+        if not any(forced):
+            return draft_tokens, draft_probs, keep, replaced
+        host_drafts = draft_tokens.tolist()  # one transfer, in rounds where a grammar forces
+        wider = max(width, max(map(len, forced)))
+        draft_tokens = torch.nn.functional.pad(draft_tokens, (0, wider - width))
+        keep = keep.clone()
+        draft_probs = None if draft_probs is None else draft_probs.clone()
+        for b, s in enumerate(slots):
+            n = len(forced[b])
+            if not n or (drafted[b] >= n and host_drafts[b][:n] == forced[b]):
+                continue
+            draft_tokens[b, :n] = torch.tensor(forced[b], device=draft_tokens.device)
+            keep[b] = n
+            drafted[b] = n
+            if draft_probs is not None:  # a certain draft: q is one-hot
+                draft_probs[b, :n] = 0
+                draft_probs[b, torch.arange(n), forced[b]] = 1
+            replaced.add(s)
+        return draft_tokens, draft_probs, keep, replaced
 
     def _grammar_masks(self, slots: list[int], draft_tokens: Tensor, drafted: list[int]
                        ) -> Tensor | None:
