@@ -353,7 +353,6 @@ class SpeculativeDecoder:
                 block = grammar.advance(block)
             self.host_tokens[slot] += block  # as the cache holds them (past a stop too)
             tokens, alive = self._stop(slot, block)
-            alive = alive and not (grammar is not None and grammar.done)
             gained.append(tokens)
             running.append(alive)
         for name, (d, n, reached) in totals.items():
@@ -426,7 +425,8 @@ class SpeculativeDecoder:
 
     def _stop(self, slot: int, tokens: list[int]) -> tuple[list[int], bool]:
         """Stop handling for one row, on the host: keep ``tokens`` up to the first end id and
-        within max_new_tokens. Returns the kept tokens and whether the row runs on."""
+        within max_new_tokens; a row whose grammar is complete ends. Returns the kept tokens
+        and whether the row runs on."""
         eos = self.host_eos[slot]
         given = len(tokens)  # the block, as host_tokens ends with it
         ended = False
@@ -434,6 +434,8 @@ class SpeculativeDecoder:
             if t in eos:
                 tokens, ended = tokens[: i + 1], True
                 break
+        grammar = self.grammars[slot]
+        ended = ended or (grammar is not None and grammar.done)  # the grammar is complete
         kept = tokens[: self.host_limit[slot] - self.host_generated[slot]]
         self.host_generated[slot] += len(kept)
         alive = not ended and self.host_generated[slot] < self.host_limit[slot]
@@ -853,8 +855,7 @@ class SpeculativeDecoder:
             grammar = self.grammars[s]
             if grammar is not None:
                 grammar.advance([t])
-            tokens, alive = self._stop(s, [t])
-            out.append((tokens, alive and not (grammar is not None and grammar.done)))
+            out.append(self._stop(s, [t]))
         for s in slots:
             self.slot_times[s][3] += time.perf_counter() - t0
         return [tokens for tokens, _ in out], [alive for _, alive in out]
