@@ -192,10 +192,11 @@ def test_a_full_disk_for_the_workdir(tmp_path):
     url = f"http://127.0.0.1:{openai_port}"
     try:
         deadline = time.monotonic() + 240
-        line = ""
-        while "Triton ready" not in line:
-            assert time.monotonic() < deadline and (line or proc.poll() is None), line
-            line = proc.stdout.readline()
+        lines = [""]
+        while "Triton ready" not in lines[-1]:
+            assert time.monotonic() < deadline and (lines[-1] or proc.poll() is None), \
+                "".join(lines)
+            lines.append(proc.stdout.readline())
         # the serve process's view of the workdir: the tmpfs, not the empty folder beneath
         assert fill(Path(f"/proc/{proc.pid}/root") / str(workdir).lstrip("/") / "ballast") > 0
         for stream in (False, True):

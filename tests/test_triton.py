@@ -2,6 +2,7 @@
 
 import os
 import queue
+import random
 import re
 import socket
 import threading
@@ -41,9 +42,19 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Parser:\n   
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port to serve on, drawn below the kernel's ephemeral range (where every client
+    socket of the suite takes its own port, and may take one just handed out here before the
+    server binds it) from a block of this xdist worker's own."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 20000 + 2000 * (worker % 6)
+    while True:
+        port = random.randrange(low, low + 2000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @pytest.fixture(scope="module")
