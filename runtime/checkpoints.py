@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -108,10 +109,12 @@ def _compiled_template(template: str):
 
 
 def format_chat(model_dir: str | Path, messages: list[dict],
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """Render ``messages`` with the checkpoint's chat template, as transformers'
     ``apply_chat_template(..., tokenize=False)`` does: the same sandboxed Jinja settings, and
-    the tokenizer's special tokens (bos_token, eos_token, ...) visible to the template."""
+    the tokenizer's special tokens (bos_token, eos_token, ...) visible to the template.
+    ``tools``: OpenAI's tool definitions, for a template that renders them
+    (``renders_tools``)."""
     import jinja2
 
     for i, message in enumerate(messages):
@@ -126,9 +129,15 @@ def format_chat(model_dir: str | Path, messages: list[dict],
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
         return _compiled_template(chat_template(model_dir)).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            **special)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template of {model_dir}: {e}") from None
+
+
+def renders_tools(model_dir: str | Path) -> bool:
+    """Whether the chat template writes a ``tools`` variable (Qwen2.5's does)."""
+    return re.search(r"\btools\b", chat_template(model_dir)) is not None
 
 
 def chat_stop_token_ids(model_dir: str | Path) -> tuple[int, ...]:

@@ -173,6 +173,8 @@ class GenerationResult:
     token_ids: list[list[int]]  # generated tokens per row, prompt excluded
     row_stats: list[SpecStats]
     stats: SpecStats  # aggregate over rows (times are for the whole batch)
+    # per row, each token's (logprob, top (id, logprob) pairs), where they were asked for
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None
 
 
 def aggregate(rows: list[SpecStats]) -> SpecStats:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from .correction import RuleParams
 from .grammar import RowGrammar
+from .logprobs import LogprobEntry
 from .metrics import SpecStats
 from .speculative import SpeculativeDecoder
 
@@ -80,6 +81,9 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     recent: list[int] = field(default_factory=list)  # output tail a stop sequence may start in
     grammar: RowGrammar | None = None  # a fresh matcher the output must follow
+    logprobs: int | None = None  # top_logprobs per token (0: its own only; None: none)
+    # the logprob entries of the tokens gained in a round, just before ``on_tokens``
+    on_logprobs: Callable[[list[LogprobEntry]], None] = lambda entries: None
 
 
 def group_key(params: RuleParams) -> RuleParams:
@@ -327,7 +331,7 @@ class Scheduler:
                 [r.eos_token_id for r in reqs], [r.seed for r in reqs],
                 [r.num_draft_tokens for r in reqs],  # None: the decoder's K, planned
                 [r.lookup_drafts for r in reqs], [pending[s].done for s in slots],
-                [r.grammar for r in reqs])
+                [r.grammar for r in reqs], [r.logprobs for r in reqs])
             for slot, req in zip(slots, reqs, strict=True):
                 # the tokens a earlier request left, not the chunks this one fed
                 self.decoder.slot_cached[slot] = pending[slot].cached
@@ -339,6 +343,7 @@ class Scheduler:
     def _deliver(self, slots: list[int], new: list[list[int]], alive: list[bool]) -> None:
         for slot, tokens, running in zip(slots, new, alive, strict=True):
             req = self.running[slot]
+            entries = None if req.logprobs is None else self.decoder.take_logprobs(slot)
             try:
                 if req.stop_sequences and tokens:
                     keep = stop_cut(req.recent, tokens, req.stop_sequences)
@@ -347,6 +352,8 @@ class Scheduler:
                     tail = max(map(len, req.stop_sequences)) - 1
                     req.recent = (req.recent + tokens)[-tail:] if tail else []
                 if tokens:
+                    if entries is not None:
+                        req.on_logprobs(entries[:len(tokens)])
                     req.on_tokens(tokens)
                 if not running:
                     self._release(slot)

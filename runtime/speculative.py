@@ -45,6 +45,7 @@ from .k_policy import (
     plan_round,
     round_k,
 )
+from .logprobs import LogprobEntry, check_top_logprobs, host_entries, token_logprobs
 from .metrics import AcceptanceMonitor, GenerationResult, RoundStats, SpecStats, aggregate
 from .model import KVCache, Transformer, new_kv_cache, token_ids
 from .threads import glue_threads
@@ -233,7 +234,12 @@ class SpeculativeDecoder:
         leaked_rows = None
         # constrained rows: the tokens their grammar allows at each verified position
         allowed = self._grammar_masks(slots, draft_tokens, drafted)
-        if self._fused_round() and allowed is None:  # the logits must be masked out here
+        # rows that asked for logprobs: the most top_logprobs among them (None: no row did)
+        top = max((self.logprob_tops[s] for s in slots if self.logprob_tops[s] is not None),
+                  default=None)
+        logprobs = None
+        if self._fused_round() and allowed is None and top is None:
+            # (the logits must be masked, or read for logprobs, out here)
             # 2 + 3 in one engine call: only the counts and tokens leave it, not the logits
             # (its time counts as verify time)
             num_accepted, next_token, _ = self.verifier.verify_and_correct(
@@ -248,6 +254,7 @@ class SpeculativeDecoder:
                 self.verifier, "feeds_ragged", False) else {}
             logits, leak = self.verifier(verify_in, pos, self.cache, kv_len=bound,
                                          rows=cache_rows, audit=audit, **ragged)
+            raw_logits = logits
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
             t2 = time.perf_counter()
@@ -263,6 +270,8 @@ class SpeculativeDecoder:
         # length is all the rollback there is
         emitted = torch.cat([draft_tokens, next_token[:, None]], 1)
         emitted.scatter_(1, num_accepted[:, None], next_token[:, None])
+        if top is not None:  # a second host transfer, only for rounds whose rows asked
+            logprobs = host_entries(*token_logprobs(raw_logits, emitted, top))
         self.tokens[rows[:, None], pos + 1] = emitted
         advance = num_accepted + 1
         self.lengths.index_add_(0, rows, advance)
@@ -283,7 +292,8 @@ class SpeculativeDecoder:
             self.k_rows[rows] = k_rows
             columns.append(k_rows[:, None])
         host = torch.cat([*columns, emitted], 1).tolist()
-        out = self._account(slots, host, drafted, audited=leaked_rows is not None)
+        out = self._account(slots, host, drafted, audited=leaked_rows is not None,
+                            logprobs=logprobs)
         if k_draft and self.separate_draft:
             # the draft model fed each row its newest token and its own drafts: a model row's
             # cache now holds all but its newest two; a lookup row kept other drafts (maybe
@@ -318,15 +328,17 @@ class SpeculativeDecoder:
         return out
 
     def _account(self, slots: list[int], host: list[list[int]], drafted: list[int],
-                 audited: bool) -> tuple[list[list[int]], list[bool]]:
+                 audited: bool, logprobs: list[list[LogprobEntry]] | None = None
+                 ) -> tuple[list[list[int]], list[bool]]:
         """The host side of a round, from its one transfer (per row: accepted count, [the
         drafts it kept and whether the audit cut it], [its next K], the emitted block): the
-        host mirrors, the metrics and the stop handling. Returns, per slot, the tokens it
-        gained and whether it is still running."""
+        host mirrors, the metrics and the stop handling. ``logprobs``: per row, its emitted
+        positions' entries (rows that asked keep those of the tokens they gained).
+        Returns, per slot, the tokens it gained and whether it is still running."""
         skip = 1 + (2 if audited else 0) + (1 if self.adaptive_k else 0)  # before the block
         gained, running = [], []
         totals = {name: [0, 0, 0] for name in self.monitors}  # drafted, accepted, reached
-        for slot, row, d in zip(slots, host, drafted, strict=True):
+        for i, (slot, row, d) in enumerate(zip(slots, host, drafted, strict=True)):
             n = row[0]
             leak = 0
             if audited:
@@ -353,6 +365,8 @@ class SpeculativeDecoder:
                 block = grammar.advance(block)
             self.host_tokens[slot] += block  # as the cache holds them (past a stop too)
             tokens, alive = self._stop(slot, block)
+            if self.logprob_tops[slot] is not None:
+                self._keep_logprobs(slot, logprobs[i][: len(tokens)])
             gained.append(tokens)
             running.append(alive)
         for name, (d, n, reached) in totals.items():
@@ -735,6 +749,10 @@ class SpeculativeDecoder:
         self.draft_valid = [0] * S
         self.slot_cached = [0] * S  # prompt tokens the slot's request found in the cache
         self.grammars: list[RowGrammar | None] = [None] * S  # constrained requests' matchers
+        # requests that asked for logprobs: their top_logprobs (None: none asked), and the
+        # entries of the tokens gained since ``take_logprobs`` last read them
+        self.logprob_tops: list[int | None] = [None] * S
+        self.slot_logprobs: list[list[LogprobEntry]] = [[] for _ in range(S)]
         self.caught_up = False  # the last draft pass re-fed a lazy prefill
         self.fused_rounds = 0  # rounds verified and corrected in one engine call
         self.fused_fallback: dict[str, int] = {}  # rounds run unfused though fused is on
@@ -764,6 +782,7 @@ class SpeculativeDecoder:
         lookup_drafts: list[bool] | None = None,
         cached: list[int] | None = None,
         grammars: list[RowGrammar | None] | None = None,
+        logprobs: list[int | None] | None = None,
     ) -> tuple[list[list[int]], list[bool]]:
         """Start requests in free slots: run the verifier over the prompts and take the
         first token from the same correction code (K=0). A separate draft model's prefill
@@ -778,18 +797,24 @@ class SpeculativeDecoder:
         0: no drafts). ``lookup_drafts``: per request, draft with the decoder's ``lookup``
         instead of its drafter (default: no request does). ``grammars``: per request, the
         matcher (``grammar.RowGrammar``, fresh) its output must follow, or None.
+        ``logprobs``: per request, how many top log-probabilities each emitted token reports
+        (0: only its own; None: no logprobs), read with ``take_logprobs``.
         Returns, per slot, the tokens it gained and whether it is still running."""
         with glue_threads(self.glue()):
             return self._prefill(slots, prompts, max_new_tokens, eos_token_ids, seeds,
-                                 num_draft_tokens, lookup_drafts, cached, grammars)
+                                 num_draft_tokens, lookup_drafts, cached, grammars, logprobs)
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], max_new_tokens: list[int],
                  eos_token_ids: list[EosIds], seeds: list[int],
                  num_draft_tokens: list[int | None] | None, lookup_drafts: list[bool] | None,
-                 cached: list[int] | None, grammars: list[RowGrammar | None] | None = None
+                 cached: list[int] | None, grammars: list[RowGrammar | None] | None = None,
+                 logprobs: list[int | None] | None = None
                  ) -> tuple[list[list[int]], list[bool]]:
         for p, m in zip(prompts, max_new_tokens, strict=True):
             self.check_request(p, m)
+        logprobs = [None] * len(slots) if logprobs is None else logprobs
+        for top in logprobs:
+            check_top_logprobs(top)
         cached = self._check_cached(slots, prompts, cached)
         eos = []
         for ids in eos_token_ids:  # host-side, once per request
@@ -837,28 +862,45 @@ class SpeculativeDecoder:
             self.slot_times[s] = [0.0] * 4
             self.slot_cached[s] = cached[b]
             self.grammars[s] = None if grammars is None else grammars[b]
+            self.logprob_tops[s], self.slot_logprobs[s] = logprobs[b], []
         logits = self._feed_prompts(slots, prompts, cached, [len(p) for p in prompts])
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
         allowed = self._grammar_masks(slots, empty, [0] * B)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
+        masked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
         vocab = self.verifier.config.vocab_size
         randoms = None if self.params.is_greedy else row_randoms(
             RowStreams.for_rows(self.seeds[rows], self.generated[rows]), 0, vocab)
-        _, first = correct_for(dev)(logits, empty, None, self.params, randoms)
+        _, first = correct_for(dev)(masked, empty, None, self.params, randoms)
         self.tokens[rows, prompt_lens] = first
         self.generated[rows] = 1
+        top = max((t for t in logprobs if t is not None), default=None)
+        entries = None if top is None else host_entries(
+            *token_logprobs(logits.reshape(B, 1, -1), first[:, None], top))
         first = first.tolist()
         out = []
-        for s, t in zip(slots, first, strict=True):
+        for b, (s, t) in enumerate(zip(slots, first, strict=True)):
             self.host_tokens[s].append(t)
             grammar = self.grammars[s]
             if grammar is not None:
                 grammar.advance([t])
             out.append(self._stop(s, [t]))
+            if logprobs[b] is not None:
+                self._keep_logprobs(s, entries[b])
         for s in slots:
             self.slot_times[s][3] += time.perf_counter() - t0
         return [tokens for tokens, _ in out], [alive for _, alive in out]
+
+    def _keep_logprobs(self, slot: int, entries: list[LogprobEntry]) -> None:
+        """A round's entries for the tokens the slot kept, each cut to the request's own
+        top_logprobs (the round computed its rows' most)."""
+        top = self.logprob_tops[slot]
+        self.slot_logprobs[slot] += [(lp, best[:top]) for lp, best in entries]
+
+    def take_logprobs(self, slot: int) -> list[LogprobEntry]:
+        """The entries of the tokens the slot gained since the last call (one per token, in
+        order; empty where its request asked for none)."""
+        entries, self.slot_logprobs[slot] = self.slot_logprobs[slot], []
+        return entries
 
     def cached_prefix(self, slot: int, prompt: list[int]) -> int:
         """How many leading tokens of ``prompt`` the slot's verifier cache already holds
@@ -979,6 +1021,7 @@ class SpeculativeDecoder:
         stats: list[SpecStats] | None = None,
         seeds: list[int] | None = None,
         grammars: list[RowGrammar | None] | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[list[list[int]]]:
         """Yield, per round, the tokens each row gained (an empty list for finished rows).
         ``eos_token_id``: an id or a list of ids; a row stops after the first it emits.
@@ -987,6 +1030,7 @@ class SpeculativeDecoder:
 
         ``stats``: pass an empty list to receive per-row SpecStats (filled when done).
         ``grammars``: per row, a fresh matcher its output must follow, or None.
+        ``logprobs``: top_logprobs for every row (``prefill``'s), read with ``take_logprobs``.
         """
         B = len(prompts)
         if not 1 <= B <= self.max_batch_size:
@@ -1004,7 +1048,7 @@ class SpeculativeDecoder:
             raise ValueError(f"seeds: one per prompt; got {len(seeds)} for {B}")
         new, running = self.prefill(slots, prompts, max_new_tokens, [eos_token_id] * B,
                                     row_seeds(seed, B) if seeds is None else seeds,
-                                    grammars=grammars)
+                                    grammars=grammars, logprobs=[logprobs] * B)
         while True:
             out = [[] for _ in range(B)]
             for slot, tokens in zip(slots, new, strict=True):
@@ -1029,14 +1073,18 @@ class SpeculativeDecoder:
         eos_token_id: EosIds = None,
         seeds: list[int] | None = None,
         grammars: list[RowGrammar | None] | None = None,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         out: list[list[int]] = [[] for _ in prompts]
+        entries: list[list[LogprobEntry]] = [[] for _ in prompts]
         row_stats: list[SpecStats] = []
         for step in self.stream(prompts, max_new_tokens, seed, eos_token_id, row_stats,
-                                seeds, grammars):
-            for row, new in zip(out, step, strict=True):
+                                seeds, grammars, logprobs):
+            for b, (row, new) in enumerate(zip(out, step, strict=True)):
                 row.extend(new)
-        return GenerationResult(out, row_stats, aggregate(row_stats))
+                entries[b] += self.take_logprobs(b)
+        return GenerationResult(out, row_stats, aggregate(row_stats),
+                                None if logprobs is None else entries)
 
 
 

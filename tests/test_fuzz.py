@@ -38,9 +38,12 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # a schema-valid body may still be refused for what the schema cannot know: the prompt's
 # length against max_seq_len, names the server resolves (drafter, correction rule) and
 # limits of its configuration (num_draft_tokens against --k, n against its slots and queue),
-# and stream_options without stream
+# fields that need another (stream_options without stream, top_logprobs without logprobs,
+# tool_choice naming a function tools lack) and tools whose schemas do not compile or whose
+# names repeat
 SERVER_LIMITS = {"stream_options", "prompt", "messages", "max_tokens", "max_completion_tokens",
-                 "drafter", "correction_rule", "num_draft_tokens", "n"}
+                 "drafter", "correction_rule", "num_draft_tokens", "n", "top_logprobs",
+                 "tools", "tool_choice", "response_format"}
 
 
 def fuzz_settings(examples: int = EXAMPLES):

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_tools import TIME, WEATHER
 from test_triton import HAVE_SERVER, MODELS, free_port, metrics
 
 from paradraft.runtime.checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
@@ -28,7 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_SERVER and not os.environ.get("CI"),
                        reason="tritonserver not unpacked (make serve-deps)"),
 ]
-SLOTS, QUEUE, MAX_SEQ = 2, 1, 320
+SLOTS, QUEUE, MAX_SEQ = 2, 1, 640
 # a ChatML-like template whose turns end with the tokenizer's eos_token (<|endoftext|>)
 TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
             "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}")
@@ -226,7 +227,7 @@ def test_a_request_can_name_its_drafter(client, local):
     (dict(max_tokens=10_000), "max_tokens"),
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
-    (dict(logprobs=1), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(logit_bias={"5": 1}), "logit_bias"),
     (dict(best_of=2), "best_of"),
@@ -243,7 +244,8 @@ def test_unsupported_or_invalid_fields_get_a_400_naming_them(client, kwargs, par
 
 
 def test_chat_refusals_name_the_field(client):
-    for kwargs, param in [(dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    for kwargs, param in [(dict(tools=[{"type": "function", "function": {"name": "a b"}}]),
+                           "tools"),
                           (dict(response_format={"type": "xml"}), "response_format"),
                           (dict(messages=[]), "messages")]:
         with pytest.raises(openai.BadRequestError) as e:
@@ -256,6 +258,110 @@ def test_chat_refusals_name_the_field(client):
     with pytest.raises(openai.BadRequestError, match="num_draft_tokens must be in"):
         client.completions.create(model="paradraft", prompt="x",
                                   extra_body={"num_draft_tokens": 99})
+
+
+def test_logprobs_equal_plain_decodings_streamed_or_not(client):
+    """logprobs / top_logprobs with the official client: greedy speculation reports what the
+    same request without drafts reports (within 1e-4); the tokens spell the text; streamed
+    chunks carry the same entries; completions' text_offset counts the text."""
+    chat = dict(model="paradraft", max_tokens=32, temperature=0, logprobs=True, top_logprobs=3,
+                messages=[{"role": "user", "content": "Write a function that adds numbers."}])
+    spec = client.chat.completions.create(**chat)
+    plain = client.chat.completions.create(**chat, extra_body={"num_draft_tokens": 0})
+    assert spec.model_extra["paradraft"]["accepted_draft_tokens"] > 0
+    got, want = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert b"".join(bytes(t.bytes) for t in got).decode() == spec.choices[0].message.content
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) <= 1e-4
+        assert len(a.top_logprobs) == 3 and a.top_logprobs[0].token == a.token  # greedy
+        assert [t.logprob for t in a.top_logprobs] == pytest.approx(
+            [t.logprob for t in b.top_logprobs], abs=1e-4)
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in got]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in got], abs=1e-4)
+    none = client.chat.completions.create(**{**chat, "logprobs": None, "top_logprobs": None})
+    assert none.choices[0].logprobs is None
+    # the completions API: logprobs is the number of likeliest tokens
+    kw = dict(model="paradraft", prompt="def fibonacci(n):", max_tokens=24, temperature=0,
+              logprobs=2)
+    done = client.completions.create(**kw)
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.tokens) == 24
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(24)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6)
+        assert top[token] == pytest.approx(logprob, abs=1e-6)
+    chunks = list(client.completions.create(**kw, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    for kwargs, param in [(dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                          (dict(top_logprobs=2), "top_logprobs"),
+                          (dict(logprobs=3), "logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{**chat, **kwargs, "logprobs": kwargs.get(
+                "logprobs")})
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_tools_named_required_streamed_and_an_agent_loop(client):
+    """tools / tool_choice with the official client: a named or required choice returns one
+    call whose arguments validate against the function's schema, streamed as the same call;
+    an agent loop (the call, its result, a final answer) runs on the real server."""
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        kw = dict(model="paradraft", messages=ask, tools=[WEATHER, TIME], tool_choice=choice,
+                  temperature=0, max_tokens=120)
+        done = client.chat.completions.create(**kw)
+        assert done.choices[0].finish_reason == "tool_calls"
+        (call,) = done.choices[0].message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert choice == "required" or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                  for d in c.choices[0].delta.tool_calls]
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, call.function.name, call.function.arguments)]
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the loop: the call and its result go back; the answer is text
+    turn = client.chat.completions.create(model="paradraft", messages=ask, tools=[WEATHER],
+                                          tool_choice=named, temperature=0, max_tokens=120)
+    call = turn.choices[0].message.tool_calls[0]
+    history = [*ask, turn.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "-3 C and snowing"}]
+    final = client.chat.completions.create(model="paradraft", messages=history,
+                                           tools=[WEATHER], temperature=0, max_tokens=24)
+    assert final.usage.prompt_tokens > turn.usage.prompt_tokens + len(call.function.arguments) / 8
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    assert answer.message.content or answer.message.tool_calls
+    for kwargs, param in [
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+         "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+         "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(a"}}}}}],
+              tool_choice="required"), "tools"),
+        (dict(messages=[*ask, {"role": "assistant", "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+         "messages"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": "paradraft", "messages": ask,
+                                              "max_tokens": 8, **kwargs})
+        assert e.value.body["param"] == param, e.value.body
 
 
 def wait_for(srv, check, timeout=60):

@@ -100,6 +100,15 @@ def raw_outputs(response) -> dict:
     return out
 
 
+def raw_arrays(response, names: frozenset[str]) -> dict[str, np.ndarray]:
+    """A ModelInferResponse's numeric outputs named in ``names``, whole and shaped (the
+    batch dimension dropped)."""
+    return {tensor.name: np.frombuffer(raw, dtype=tensor.datatype.lower().replace(
+        "fp", "float")).reshape(list(tensor.shape)[1:])
+        for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+        if tensor.name in names}
+
+
 def is_final(response) -> bool:
     return response.parameters["triton_final_response"].bool_param
 

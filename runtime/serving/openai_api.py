@@ -25,9 +25,17 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
+from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer, renders_tools
 from ..correction import PARAMETER_RANGES
-from .client import MODEL, answers, is_final, raw_outputs, raw_request
+from ..logprobs import MAX_TOP_LOGPROBS
+from .client import MODEL, answers, is_final, raw_arrays, raw_outputs, raw_request
+from .openai_logprobs import (
+    TokenLogprob,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    read_entries,
+)
 from .openai_schema import (
     INT32_MAX,
     MAX_STOP,
@@ -46,6 +54,8 @@ from .openai_schema import (
     request_fields,
     validate_body,
 )
+from .openai_tools import CallSplitter, ToolError, Tools, call_guide, parse_calls, parse_tools
+from .openai_tools import template_messages as tool_template_messages
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 # one server-sent event of a streamed response: a JSON chunk, an error, or [DONE]
@@ -58,6 +68,9 @@ FP32_TINY = 2.0**-149  # the smallest positive 32-bit float
 FIELDS = {kind: request_fields(kind) for kind in REQUESTS}
 OUTPUTS = ("text_output", "sequence_length", "total_accepted_draft_tokens", "total_draft_tokens",
            "finish_reason", "cached_tokens")
+# a request with logprobs reads its tokens and their logprobs too
+LOGPROB_OUTPUTS = frozenset({"output_ids", "output_log_probs", "top_logprobs",
+                             "top_logprob_ids"})
 
 
 @dataclass
@@ -102,6 +115,8 @@ class Job:
     stop: list[str]
     inputs: dict[str, tuple[str, object]] = field(default_factory=dict)  # name -> (type, value)
     n: int = 1  # choices: one served request each
+    logprobs: int | None = None  # top_logprobs per token (0: the token's own; None: none)
+    tools: Tools | None = None  # the functions the model may call (chat)
 
     def choice_inputs(self, index: int) -> dict[str, tuple[str, object]]:
         """Choice ``index``'s inputs: with a seed, its own (seed + index), so choice 0 is what
@@ -163,19 +178,30 @@ def check_fields(body: dict, kind: str) -> None:
     refuse_unless(body, "best_of", lambda v: v == 1 and not isinstance(v, bool), "1")
     refuse_unless(body, "echo", lambda v: v is False, "false")
     refuse_unless(body, "suffix", lambda v: v == "", "an empty string")
-    refuse_unless(body, "logprobs", lambda v: v is False, "false or null")
-    refuse_unless(body, "top_logprobs", lambda v: v == 0 and not isinstance(v, bool), "0")
     for name in ("presence_penalty", "frequency_penalty"):
         refuse_unless(body, name, lambda v: v == 0 and not isinstance(v, bool), "0")
     refuse_unless(body, "logit_bias", lambda v: v == {}, "{}")
-    refuse_unless(body, "tools", lambda v: v == [], "[] (no tool calls)")
     refuse_unless(body, "functions", lambda v: v == [], "[] (no function calls)")
-    refuse_unless(body, "tool_choice", lambda v: v == "none", '"none"')
     refuse_unless(body, "function_call", lambda v: v == "none", '"none"')
     refuse_unless(body, "top_k", lambda v: v in (-1, 0, 1) and not isinstance(v, bool),
                   "-1 or 0 (off), 1 (greedy)")
     refuse_unless(body, "min_tokens", lambda v: v in (0, 1) and not isinstance(v, bool), "0, 1")
     refuse_unless(body, "repetition_penalty", lambda v: v == 1 and not isinstance(v, bool), "1")
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """The request's top_logprobs (0: each token's own logprob only), or None: chat's
+    ``logprobs`` (a boolean) with ``top_logprobs``; the completions API's ``logprobs`` (how
+    many likeliest tokens)."""
+    if not chat:
+        return integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise invalid("logprobs", f"logprobs must be a boolean; got {wanted!r}")
+    top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs true")
+    return (top or 0) if wanted else None
 
 
 def guide_inputs(response_format) -> dict[str, tuple[str, object]]:
@@ -230,7 +256,7 @@ def prompt_ids(body: dict, tokenizer) -> list[int]:
                             f"(one prompt per request); got {str(prompt)[:80]!r}")
 
 
-def chat_prompt(body: dict, chat_dir: str) -> str:
+def chat_prompt(body: dict, chat_dir: str, tools: Tools | None = None) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty list")
@@ -253,7 +279,10 @@ def chat_prompt(body: dict, chat_dir: str) -> str:
                                       "text parts")
         flat.append({**message, "content": content})
     try:
-        return format_chat(chat_dir, flat, add_generation_prompt=True)
+        flat, definitions = tool_template_messages(flat, tools, renders_tools(chat_dir))
+        return format_chat(chat_dir, flat, add_generation_prompt=True, tools=definitions)
+    except ToolError as e:
+        raise invalid(e.param, str(e)) from None
     except ValueError as e:  # no template, or the template refused the messages
         raise invalid("messages", str(e)) from None
 
@@ -277,8 +306,13 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
                                         "stream true")
     include_usage = bool((options or {}).get("include_usage", False))
     chat = kind == "chat"
+    tools = None
     if chat:
-        ids = tokenizer.encode(chat_prompt(body, config.tokenizer_dir),
+        try:
+            tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+        except ToolError as e:
+            raise invalid(e.param, str(e)) from None
+        ids = tokenizer.encode(chat_prompt(body, config.tokenizer_dir, tools),
                                add_special_tokens=False).ids  # the template wrote them
     else:
         ids = prompt_ids(body, tokenizer)
@@ -344,10 +378,22 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     stop = stop_strings(body)
     n = integer(body, "n", 1, min(N_MAX, config.max_choices))
     inputs.update(guide_inputs(body.get("response_format")))
+    calls = None if tools is None else call_guide(tools)
+    if calls is not None:  # required, or a named function: one call, its schema followed
+        if "guided_decoding_guide_type" in inputs:
+            raise invalid("tool_choice", f"tool_choice {body.get('tool_choice')!r} constrains "
+                                         "the output to a call: send it without "
+                                         "response_format")
+        inputs["guided_decoding_guide_type"] = ("BYTES", [b"lark"])
+        inputs["guided_decoding_guide"] = ("BYTES", [calls.encode()])
+    logprobs = logprobs_asked(body, chat)
+    if logprobs is not None:
+        inputs["top_logprobs"] = ("INT32", [logprobs])
     refused = validate_body(body, kind)  # the schema's catch-all, after the named checks
     if refused is not None:
         raise invalid(*refused)
-    return Job(chat, ids, max_tokens, stream, include_usage, stop, inputs, n or 1)
+    return Job(chat, ids, max_tokens, stream, include_usage, stop, inputs, n or 1, logprobs,
+               tools)
 
 
 # -- the gRPC call ---------------------------------------------------------------------------
@@ -362,13 +408,15 @@ class Piece:
     drafted: int
     finish_reason: str  # "" until the final response
     cached: int = 0  # prompt tokens read from the prefix cache (the final response's)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where asked
 
 
-def read_response(response) -> Piece:
+def read_response(response, logprobs: bool = False) -> Piece:
     out = raw_outputs(response)
     return Piece(out.get("text_output", ""), out.get("sequence_length", 0),
                  out.get("total_accepted_draft_tokens", 0), out.get("total_draft_tokens", 0),
-                 out.get("finish_reason", ""), out.get("cached_tokens", 0))
+                 out.get("finish_reason", ""), out.get("cached_tokens", 0),
+                 read_entries(raw_arrays(response, LOGPROB_OUTPUTS)) if logprobs else [])
 
 
 def field_named(message: str, chat: bool) -> str | None:
@@ -383,13 +431,16 @@ def field_named(message: str, chat: bool) -> str | None:
     return name if name in FIELDS["chat" if chat else "completions"] else None
 
 
-def error_from_grpc(error, chat: bool) -> ApiError:
-    """A Triton error (the stream asked for status codes) as an HTTP error."""
+def error_from_grpc(error, chat: bool, tools: bool = False) -> ApiError:
+    """A Triton error (the stream asked for status codes) as an HTTP error (``tools``: the
+    request's guide is its tools' call grammar)."""
     import grpc
 
     code, message = error.code(), error.details() or str(error)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         param = field_named(message, chat)
+        if tools and param == "response_format":
+            param = "tools"
         if param is not None and param not in message:
             message = f"{param}: {message}"
         return ApiError(400, message, param)
@@ -431,7 +482,9 @@ async def generate(stub, job: Job, index: int = 0) -> AsyncIterator[Piece]:
     piece last (its ``finish_reason`` set). Cancelling the iteration cancels the gRPC stream,
     and with it the request on the server."""
     # not output_ids: every tensor a response carries costs time
-    request = raw_request(MODEL, job.choice_inputs(index), uuid.uuid4().hex, OUTPUTS)
+    asked = job.logprobs is not None
+    request = raw_request(MODEL, job.choice_inputs(index), uuid.uuid4().hex,
+                          OUTPUTS + (tuple(sorted(LOGPROB_OUTPUTS)) if asked else ()))
 
     async def requests():
         yield request
@@ -448,7 +501,7 @@ async def generate(stub, job: Job, index: int = 0) -> AsyncIterator[Piece]:
                 if final:
                     break
                 continue
-            piece = read_response(response.infer_response)
+            piece = read_response(response.infer_response, asked)
             piece.text, stopped = matcher.feed(piece.text, final)
             finished = final
             if stopped:
@@ -465,7 +518,7 @@ async def generate(stub, job: Job, index: int = 0) -> AsyncIterator[Piece]:
         import grpc
 
         if isinstance(e, grpc.aio.AioRpcError):
-            raise error_from_grpc(e, job.chat) from None
+            raise error_from_grpc(e, job.chat, job.tools is not None) from None
         raise
     finally:
         if finished:  # let the server close the stream: a cancel that arrives after it
@@ -520,13 +573,15 @@ async def close_all(streams: list[AsyncIterator[Piece]]) -> None:
         await stream.aclose()  # cancels its gRPC call if it has not ended
 
 
-async def to_end(first: Piece, pieces: AsyncIterator[Piece]) -> tuple[str, Piece]:
-    """One choice's whole text and its final piece."""
-    texts, piece = [first.text], first
+async def to_end(first: Piece, pieces: AsyncIterator[Piece]
+                 ) -> tuple[str, Piece, list[TokenLogprob]]:
+    """One choice's whole text, its final piece and its tokens' logprobs (where asked)."""
+    texts, piece, entries = [first.text], first, list(first.logprobs)
     while not piece.finish_reason:
         piece = await anext(pieces)
         texts.append(piece.text)
-    return "".join(texts), piece
+        entries += piece.logprobs
+    return "".join(texts), piece, entries
 
 
 async def merged(firsts: list[Piece], streams: list[AsyncIterator[Piece]]
@@ -579,6 +634,7 @@ def create_app(config: OpenAIConfig):
         chat_stop_ids = chat_stop_token_ids(config.tokenizer_dir)
     except ValueError:  # no chat template: chat requests get the 400 that says so
         chat_stop_ids = ()
+    logprobs = Logprobs(TokenTexts(tokenizer), frozenset(chat_stop_ids))
     state = {}
 
     @asynccontextmanager
@@ -617,7 +673,7 @@ def create_app(config: OpenAIConfig):
             return JSONResponse({}, status_code=499)
         head = {"id": ident, "created": int(time.time()), "model": config.served_model_name}
         if job.stream:
-            return StreamingResponse(sse(job, head, merged(firsts, streams)),
+            return StreamingResponse(sse(job, head, merged(firsts, streams), logprobs),
                                      media_type="text/event-stream")
         try:
             ends = await until_disconnect(request, all_or_none(
@@ -628,12 +684,12 @@ def create_app(config: OpenAIConfig):
             return JSONResponse({}, status_code=499)
         finally:
             await close_all(streams)
-        choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": piece.finish_reason} if job.chat else
-                   {"index": i, "text": text, "logprobs": None,
+        choices = [{"index": i, **assistant_message(job, text, piece.finish_reason),
+                    "logprobs": logprobs.of(job, entries)} if job.chat else
+                   {"index": i, "text": text, "logprobs": logprobs.of(job, entries),
                     "finish_reason": piece.finish_reason}
-                   for i, (text, piece) in enumerate(ends)]
-        lasts = [piece for _, piece in ends]
+                   for i, (text, piece, entries) in enumerate(ends)]
+        lasts = [piece for _, piece, _ in ends]
         return JSONResponse({
             **head, "object": "chat.completion" if job.chat else "text_completion",
             "choices": choices, "usage": usage(job, lasts), "paradraft": spec_stats(lasts)})
@@ -707,6 +763,39 @@ class ClientGone(Exception):
     pass
 
 
+def assistant_message(job: Job, text: str, finish_reason: str) -> dict:
+    """A chat choice's ``message`` and ``finish_reason``: with tools, the calls the text
+    holds come out as ``tool_calls``."""
+    if job.tools is None:
+        return {"message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason}
+    content, calls = parse_calls(text)
+    if not calls:
+        return {"message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason}
+    return {"message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "finish_reason": "tool_calls"}
+
+
+@dataclass
+class Logprobs:
+    """A response's ``logprobs`` objects, as the request asked (chat leaves its
+    end-of-turn tokens out, as it leaves them out of the content)."""
+
+    texts: TokenTexts
+    chat_stop_ids: frozenset[int]
+
+    def of(self, job: Job, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
+        """The object for ``entries`` (None where none was asked; ``offset``: the
+        completion's characters before them)."""
+        if job.logprobs is None:
+            return None
+        if job.chat:
+            return chat_logprobs(self.texts, [e for e in entries
+                                              if e.token_id not in self.chat_stop_ids])
+        return completion_logprobs(self.texts, entries, offset)[0]
+
+
 async def until_disconnect(request, awaitable):
     """Await ``awaitable`` unless the client disconnects first (then cancel it)."""
     task = asyncio.ensure_future(awaitable)
@@ -727,22 +816,32 @@ async def wait_disconnect(request) -> None:
             return
 
 
-def sse(job: Job, head: dict, pieces: AsyncIterator[tuple[int, Piece]]):
+def sse(job: Job, head: dict, pieces: AsyncIterator[tuple[int, Piece]], logprobs: Logprobs):
     """The server-sent events of a streamed response (OpenAI's chunk format), the choices'
     chunks interleaved as they come. Starlette cancels this generator when the client
     disconnects; closing ``pieces`` then cancels the gRPC streams."""
     kind = "chat.completion.chunk" if job.chat else "text_completion"
+    offsets = [0] * job.n  # completions: each choice's characters so far (text_offset)
+
+    # chat with tools: each choice's text, split where its first call begins
+    splitters = [CallSplitter() for _ in range(job.n)] if job.tools is not None else None
 
     def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
+              entries: list[TokenLogprob] = (), calls: list[dict] | None = None,
               **extra) -> str:
+        lp = logprobs.of(job, list(entries), offsets[index]) if entries else None
         if job.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            if calls:  # each call whole, as OpenAI's deltas add up to it
+                delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]}
+            choice = {"index": index, "delta": delta, "logprobs": lp,
                       "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None,
+            choice = {"index": index, "text": text or "", "logprobs": lp,
                       "finish_reason": reason}
+            if lp is not None:
+                offsets[index] += sum(map(len, lp["tokens"]))
         body = {**head, "object": kind, "choices": [choice], **extra}
         if job.include_usage:
             body.setdefault("usage", None)
@@ -756,11 +855,20 @@ def sse(job: Job, head: dict, pieces: AsyncIterator[tuple[int, Piece]]):
                     yield chunk(index, None, None, role=True)
             async for index, piece in pieces:
                 lasts[index] = piece
-                if piece.text:
-                    yield chunk(index, piece.text, None)
-                if piece.finish_reason:
-                    yield chunk(index, None, piece.finish_reason,
-                                paradraft=spec_stats([piece]))
+                text, reason = piece.text, piece.finish_reason
+                if splitters is not None:
+                    text = splitters[index].feed(text)
+                if text or piece.logprobs:
+                    yield chunk(index, text, None, entries=piece.logprobs)
+                if reason and splitters is not None:
+                    rest, calls = splitters[index].finish()
+                    if rest:
+                        yield chunk(index, rest, None)
+                    if calls:
+                        yield chunk(index, None, None, calls=calls)
+                        reason = "tool_calls"
+                if reason:
+                    yield chunk(index, None, reason, paradraft=spec_stats([piece]))
             if job.include_usage:  # OpenAI's usage chunk: no choices
                 last = {**head, "object": kind, "choices": [], "usage": usage(job, lasts),
                         "paradraft": spec_stats(lasts)}

@@ -3,7 +3,7 @@
 contract every request body is checked against.
 
 The request models say exactly what the server accepts: a field it refuses at every value but
-the neutral ones (``n``, ``logprobs``, ``tools``, ...) is pinned to those values, so a body
+the neutral ones (``tools``, ``echo``, ...) is pinned to those values, so a body
 the schema allows is never refused for its shape, and a body it forbids always is (a 400
 naming the field). ``openai_api.parse_job`` checks the same fields first, with messages that
 name the allowed range; ``validate_body`` is its catch-all for everything else the schema
@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..correction import PARAMETER_RANGES
+from ..logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP = 16  # stop strings per request
 N_MAX = 16  # choices per request (n): each is a request in the served batch
@@ -97,7 +98,6 @@ class Sampling(Body):
     presence_penalty: only(0) | None = None
     frequency_penalty: only(0) | None = None
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
-    logprobs: Literal[False] | None = None
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
         None, description="json_object or json_schema: the output follows it (guided "
                           "decoding; rejected drafts roll the grammar back)")
@@ -135,6 +135,9 @@ class CompletionRequest(Sampling):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]) = Field(
         description="one prompt per request: a string or token ids")
     best_of: integer(ge=1, le=1) | None = None
+    logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="each token's log-probability under the verifier, with this many "
+                          "likeliest tokens")
     echo: Literal[False] | None = None
     suffix: Annotated[str, Field(max_length=0)] | None = None
 
@@ -151,13 +154,42 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+class FunctionDefinition(Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema the arguments follow "
+                                                      "(where the call is constrained)")
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: integer(ge=1) | None = None
-    top_logprobs: integer(ge=0, le=0) | None = None
-    tools: Annotated[list[dict], Field(max_length=0)] | None = None
+    logprobs: bool | None = Field(
+        None, description="each token's log-probability under the verifier")
+    top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="with logprobs true: this many likeliest tokens per position")
+    tools: list[Tool] | None = Field(
+        None, description="functions the model may call, rendered by the chat template "
+                          "(Hermes format where it has no tools)")
     functions: Annotated[list[dict], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="required or a named function: one call, its arguments following "
+                          "the function's schema (guided decoding)")
     function_call: Literal["none"] | None = None
 
 
@@ -201,10 +233,32 @@ class SpeculationStats(BaseModel):
     draft_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"]
 
 
@@ -218,16 +272,28 @@ class Completion(BaseModel):
     paradraft: SpeculationStats
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
-    finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

@@ -23,6 +23,7 @@ from ..correction import RULES, RuleParams, check_range
 from ..drafters import DRAFTERS, MODEL_FREE_DRAFTERS, Drafter, NgramDrafter, SuffixDrafter
 from ..grammar import GUIDE_TYPES, Guide, RowGrammar, compile_guide
 from ..k_policy import check_draft_len_schedule
+from ..logprobs import MAX_TOP_LOGPROBS
 from ..model import load_model
 from ..scheduler import Scheduler
 from ..speculative import FUSED_MODES, SpeculativeDecoder
@@ -306,6 +307,7 @@ class ParsedRequest:
     stop_sequences: list[list[int]]
     lookup_drafts: bool = False  # drafter "ngram" on a server whose drafter has a model
     guide: Guide | None = None  # what the output must follow (the model compiles it)
+    logprobs: int | None = None  # top_logprobs per token (0: the token's own; None: none)
 
 
 def request_drafters(config: ServeConfig) -> tuple[str, ...]:
@@ -326,7 +328,6 @@ NEUTRAL_INPUTS = {
     "presence_penalty": (float, {0.0}, "0.0"),
     "frequency_penalty": (float, {0.0}, "0.0"),
     "exclude_input_in_output": (bool, {True}, "true (text_output is the generated text only)"),
-    "return_log_probs": (bool, {False}, "false"),
     "return_context_logits": (bool, {False}, "false"),
     "return_generation_logits": (bool, {False}, "false"),
 }
@@ -340,8 +341,10 @@ REQUEST_INPUTS = ("text_input", "input_ids", "input_lengths", "max_tokens", "str
                   "temperature", "top_p", "random_seed", "num_draft_tokens", "drafter", "end_id",
                   "correction_rule", "tau", "gamma", "alpha", "epsilon", "delta", "stop_words",
                   "bad_words", "stop_words_ids", "stop_words_lengths",
-                  "guided_decoding_guide_type", "guided_decoding_guide",
-                  *NEUTRAL_INPUTS, *IGNORED_INPUTS)
+                  "guided_decoding_guide_type", "guided_decoding_guide", "return_log_probs",
+                  "top_logprobs", *NEUTRAL_INPUTS, *IGNORED_INPUTS)
+# the outputs a request with logprobs gets beside the others (per token of the response)
+LOGPROB_OUTPUTS = frozenset({"output_log_probs", "top_logprobs", "top_logprob_ids"})
 
 
 def scalar(inputs: dict[str, np.ndarray], name: str, kind: type):
@@ -554,7 +557,22 @@ def parse_request(inputs: dict[str, np.ndarray], config: ServeConfig,
                          config.eos_token_id if end_id is None else eos_or_none(end_id),
                          bool(stream), stop_sequences(inputs, tokenizer),
                          lookup_drafts=drafter == "ngram" and config.drafter != "ngram",
-                         guide=guide_of(inputs))
+                         guide=guide_of(inputs), logprobs=logprobs_of(inputs))
+
+
+def logprobs_of(inputs: dict[str, np.ndarray]) -> int | None:
+    """``return_log_probs`` (TensorRT-LLM's: each token's log-probability) and
+    ``top_logprobs`` (ours: that many likeliest tokens beside it, which implies the first):
+    the request's top_logprobs, or None for no logprobs."""
+    wanted = scalar(inputs, "return_log_probs", bool)
+    top = scalar(inputs, "top_logprobs", int)
+    if top is None:
+        return 0 if wanted else None
+    if wanted is False:
+        raise ValueError("top_logprobs needs return_log_probs true (or unset)")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {top}")
+    return top
 
 
 def row_grammar(guide: Guide, tokenizer_json: str, vocab_size: int) -> RowGrammar:

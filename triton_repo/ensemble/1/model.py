@@ -315,6 +315,7 @@ class Stream:
         self.detokenizer = detokenizer
         self.request_id = request_id
         self.tokens = []
+        self.logprobs = []  # the tokens' logprob entries, where the request asked for them
         self.queued = 0  # tokens already handed to the sender thread
         self.slot = None
         self.seen = (0, 0, 0, [0] * k, [0] * k)  # counters at the last round: metric deltas
@@ -330,12 +331,23 @@ DEFAULT_OUTPUTS = frozenset({"text_output", "sequence_length", "acceptance_rate"
                              "finish_reason", "cached_tokens"})
 
 
-def response(wanted, text, ids, length, stats=None, reason=""):
+def response(wanted, text, ids, length, stats=None, reason="", logprobs=None):
     """The outputs the request asked for (``wanted``): building and sending each tensor is
     the costliest part of a response. ``stats``: the final response's (accepted, drafted,
-    cached prompt tokens)."""
+    cached prompt tokens). ``logprobs``: the entries of ``ids`` (logprob, top pairs) and the
+    request's top_logprobs, where it asked for them."""
     values = {"text_output": ([text.encode()], np.object_), "output_ids": (ids, np.int32),
               "sequence_length": ([length], np.int32)}
+    if logprobs is not None:
+        entries, top = logprobs
+        pairs = [pair for _, best in entries for pair in best]
+        shape = (len(entries), top)  # [tokens, top], however many (none, on a final response)
+        values.update(
+            output_log_probs=([lp for lp, _ in entries], np.float32),
+            top_logprobs=(np.array([v for _, v in pairs], np.float32).reshape(shape),
+                          np.float32),
+            top_logprob_ids=(np.array([i for i, _ in pairs], np.int32).reshape(shape),
+                             np.int32))
     if stats is not None:
         accepted, drafted, cached = stats
         values.update(
@@ -592,11 +604,16 @@ class TritonPythonModel:
 
     def make_request(self, parsed, sender, wanted, request_id=""):
         grammar = self.grammar_for(parsed.guide)
+        if parsed.logprobs is not None and wanted is DEFAULT_OUTPUTS:  # named none: with them
+            wanted = DEFAULT_OUTPUTS | self.protocol.LOGPROB_OUTPUTS
         s = Stream(parsed, sender, self.protocol.Detokenizer(self.tokenizer, parsed.prompt),
                    request_id, self.k)
         scheduler, outbox, interval = self.scheduler, self.outbox, self.config.stream_interval
         if request_id:
             self.live[request_id] = s  # a later request with the same id takes it over
+
+        def on_logprobs(entries):  # the scheduler thread, just before on_tokens
+            s.logprobs += entries
 
         def on_tokens(new):  # the scheduler thread, once a round
             s.tokens += new
@@ -613,8 +630,13 @@ class TritonPythonModel:
                 s.poll_queued, s.last_poll = True, now
                 outbox.put(poll)
 
+        def entries(end, count):  # the logprobs of the ``count`` tokens before ``end``
+            return None if parsed.logprobs is None else (s.logprobs[end - count: end],
+                                                         parsed.logprobs)
+
         def send(chunk, length):  # the sender thread, in order
-            sender.send(response(wanted, s.detokenizer.add(chunk), chunk, length))
+            sender.send(response(wanted, s.detokenizer.add(chunk), chunk, length,
+                                 logprobs=entries(length, len(chunk))))
 
         def poll():  # the sender thread
             s.poll_queued = False
@@ -649,7 +671,8 @@ class TritonPythonModel:
                     last = response(wanted, text, chunk, len(tokens),
                                     (stats.accepted_tokens, stats.draft_tokens,
                                      stats.cached_tokens),
-                                    self.protocol.finish_reason(tokens, parsed))
+                                    self.protocol.finish_reason(tokens, parsed),
+                                    entries(len(tokens), len(chunk)))
                 except Exception as e:  # every request must end with a final response:
                     failure = e  # Triton waits for it before the model can unload
             if isinstance(failure, self.ShuttingDown):  # the server stops: retry elsewhere
@@ -665,6 +688,7 @@ class TritonPythonModel:
         me = self.Request(parsed.prompt, parsed.max_new_tokens, parsed.params, on_tokens,
                           on_done, num_draft_tokens=parsed.num_draft_tokens,
                           lookup_drafts=parsed.lookup_drafts, grammar=grammar,
+                          logprobs=parsed.logprobs, on_logprobs=on_logprobs,
                           seed=parsed.seed, eos_token_id=parsed.eos_token_id,
                           # a running request's flag is polled by the sender thread; a
                           # queued one is asked directly (only at admission, or when the
