@@ -26,8 +26,9 @@ from torch import Tensor
 from .correction import STREAM_DRAFT, RowStreams, RuleParams, sample, sampling_probs
 from .model import KVCache, Transformer
 
-DRAFTERS = ("model", "parallel", "self", "ngram", "suffix")
-MODEL_FREE_DRAFTERS = ("ngram", "suffix")  # need no model: an engine dir needs no graph for them
+DRAFTERS = ("model", "parallel", "self", "ngram", "suffix", "grammar")
+# need no model: an engine dir needs no graph for them
+MODEL_FREE_DRAFTERS = ("ngram", "suffix", "grammar")
 NGRAM_LIMIT = 16  # the longest suffix the lookup matches (ngram_max's upper end)
 NGRAM_SHARED_REQUESTS = 16  # ended requests the n-gram lookup searches (ngram_shared)
 
@@ -403,7 +404,29 @@ class SuffixDrafter:
         return path.clamp(min=0), drafted.sum(1), (prob * drafted).sum(1)
 
 
-AnyDrafter = ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter | SuffixDrafter
+@dataclass(frozen=True)
+class GrammarDrafter:
+    """The grammar's own proposals, alone: it looks up nothing, so a constrained row drafts
+    exactly what its grammar forces (a key name, ``":"``, a closing brace: the decoder's
+    ``_grammar_drafts``) and an unconstrained row decodes as plain decoding does. No model,
+    no memory; deterministic drafts (one-hot q)."""
+
+    kind: ClassVar[str] = "grammar"
+    model: ClassVar[None] = None
+    num_layers: ClassVar[None] = None
+    shares_verifier_cache: ClassVar[bool] = False
+    cached_requests: ClassVar[int] = 0
+
+    def lookup(self, tokens: Tensor, lengths: Tensor, k: int, history: int
+               ) -> tuple[Tensor, Tensor]:
+        """No drafts: [B, k] zeros, none of them real."""
+        B = tokens.shape[0]
+        return (torch.zeros(B, k, dtype=torch.long, device=tokens.device),
+                torch.zeros(B, dtype=torch.long, device=tokens.device))
+
+
+AnyDrafter = (ModelDrafter | ParallelDrafter | SelfDrafter | NgramDrafter | SuffixDrafter
+              | GrammarDrafter)
 
 
 def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None = None,
@@ -437,6 +460,8 @@ def Drafter(kind: str, model: Transformer | None = None, num_layers: int | None 
         return NgramDrafter(**sizes)
     if kind == "suffix":
         return SuffixDrafter(**suffix_options)
+    if kind == "grammar":
+        return GrammarDrafter()
     if model is None:
         raise ValueError(f"the {kind!r} drafter needs a model")
     if kind == "model":

@@ -626,12 +626,21 @@ class Block(nn.Module):
         return x + h
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table. Built on the meta device (``load_model``, whose weights replace
+    it), it skips its own random init: ``normal_``'s meta kernel imports torch._dynamo,
+    seconds of every process's start."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = self.config = config
-        self.embed = nn.Embedding(c.vocab_size, c.dim)
-        self.pos_embed = nn.Embedding(c.max_position_embeddings, c.dim) if c.is_gpt2 else None
+        self.embed = embedding(c.vocab_size, c.dim)
+        self.pos_embed = embedding(c.max_position_embeddings, c.dim) if c.is_gpt2 else None
         self.layers = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
         self.norm = nn.LayerNorm(c.dim, eps=c.norm_eps) if c.is_gpt2 else RMSNorm(c.dim, c.norm_eps)
         self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)

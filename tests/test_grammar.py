@@ -80,7 +80,7 @@ def test_masks_walk_the_drafts_allowed_and_leave_the_matcher_where_it_was(pair):
     assert grammar.done
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "grammar"])
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(pair, drafter):
     """21 schemas as the rows of one batch, each with its own matcher: the speculative
     decoder emits exactly what plain constrained decoding emits, and every output that ended
@@ -138,10 +138,12 @@ def test_exact_sampling_under_a_grammar_samples_what_plain_constrained_sampling_
     assert chi2_contingency(table.numpy()).pvalue > 1e-3
 
 
-def test_the_grammar_drafts_the_tokens_it_forces(pair):
+@pytest.mark.parametrize("drafter", ["ngram", "grammar"])
+def test_the_grammar_drafts_the_tokens_it_forces(pair, drafter):
     """Keys, separators and the rest of an enum value are forced by the schema: the grammar
-    drafts them itself, beside a lookup that finds nothing in this prompt, and they pass
-    (a forced token is the only one the mask allows). The output is still plain decoding's."""
+    drafts them itself, beside a lookup that finds nothing in this prompt (or as the only
+    drafter, ``grammar``), and they pass (a forced token is the only one the mask allows).
+    The output is still plain decoding's."""
     verifier, _, tok = pair
     vocab = verifier.config.vocab_size
     schema = {"type": "object", "properties": {
@@ -154,7 +156,7 @@ def test_the_grammar_drafts_the_tokens_it_forces(pair):
     plain = SpeculativeDecoder(verifier, None, RuleParams("greedy"), max_batch_size=1,
                                max_seq_len=128)
     want = plain.generate([prompt], 64, grammars=row_grammars([guide], vocab)).token_ids
-    spec = SpeculativeDecoder(verifier, Drafter("ngram"), RuleParams("greedy"), k=4,
+    spec = SpeculativeDecoder(verifier, Drafter(drafter), RuleParams("greedy"), k=4,
                               max_batch_size=1, max_seq_len=128)
     got = spec.generate([prompt], 64, grammars=row_grammars([guide], vocab))
     assert got.token_ids == want

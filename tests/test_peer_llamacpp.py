@@ -116,5 +116,5 @@ def test_humaneval_problems_are_chat_requests(tmp_path: Path):
         shutil.copy(DEMO_DIR / "verifier" / name, tmp_path / name)
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    prompts, _ = read_prompt_file("humaneval:2", tmp_path)
+    prompts, _, _ = read_prompt_file("humaneval:2", tmp_path)
     assert len(prompts) == 2 and all(len(p) > 20 for p in prompts)

@@ -144,3 +144,120 @@ def test_fp32_import_equals_transformers(pair, engines: Path, prompts):
             want = out[0, len(p):].tolist()
             assert got[i] == want, (f"prompt {i}: ours {text.decode(got[i])!r} vs "
                                     f"transformers {text.decode(want)!r}")
+
+
+JSON_PROMPTS = 6  # of prompts/json_extraction.jsonl
+
+
+def test_constrained_greedy_speculation_equals_constrained_plain_decoding(engines: Path):
+    """JSON extraction on the real pair: with each request's schema, greedy speculation with
+    the draft model, the n-gram lookup and the grammar's own proposals emits exactly what
+    constrained plain decoding emits; every output that ended parses and validates."""
+    import json
+
+    import jsonschema
+
+    from paradraft.runtime.grammar import Guide
+    from paradraft.runtime.tools.bench import matchers
+
+    path = Path(__file__).resolve().parents[1] / "prompts" / "json_extraction.jsonl"
+    prompts, stop, guides = read_prompt_file(path, engines)
+    prompts, guides = prompts[:JSON_PROMPTS], guides[:JSON_PROMPTS]
+    verifier, drafters, _, _ = load_engines(engines)
+    eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids, *stop)))
+    tokenizer_json = str(engines / "tokenizer.json")
+
+    def decode(drafter, k: int) -> tuple[list[list[int]], int]:
+        dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=k,
+                                 max_batch_size=1, max_seq_len=512)
+        out, accepted = [], 0
+        for p, g in zip(prompts, guides, strict=True):
+            verifier.reset()
+            if drafter is not None and drafter.model is not None:
+                drafter.model.reset()
+            result = dec.generate([p], 160, eos_token_id=eos,
+                                  grammars=matchers([g], tokenizer_json, verifier))
+            out += result.token_ids
+            accepted += result.stats.accepted_tokens
+        return out, accepted
+
+    plain, _ = decode(None, 0)
+    for name, k in (("model", 4), ("ngram", 8), ("grammar", 8)):
+        got, accepted = decode(drafters[name], k)
+        assert got == plain, name
+        assert accepted > 0, name
+    tokenizer = load_tokenizer(engines)
+    ended = [(g, ids) for g, ids in zip(guides, plain, strict=True) if len(ids) < 160]
+    assert len(ended) >= JSON_PROMPTS - 1
+    for guide, ids in ended:
+        assert isinstance(guide, Guide)
+        jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True)),
+                            json.loads(guide.text))
+
+
+def test_logprobs_of_speculation_equal_plain_decodings(engines: Path, prompts):
+    """The draft model's greedy speculation reports plain decoding's log-probabilities
+    (within 1e-4) and top 5 on the llama.cpp engines."""
+    verifier, drafters, _, _ = load_engines(engines)
+    results = []
+    for drafter, k in ((None, 0), (drafters["model"], 4)):
+        dec = SpeculativeDecoder(verifier, drafter, RuleParams("greedy"), k=k,
+                                 max_batch_size=1, max_seq_len=512)
+        out = []
+        for p in prompts[:3]:
+            verifier.reset()
+            if drafter is not None:
+                drafter.model.reset()
+            out.append(dec.generate([p], 32, logprobs=5))
+        results.append(out)
+    for plain, spec in zip(*results, strict=True):
+        assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+        for (lp, best), (lp0, best0) in zip(spec.logprobs[0], plain.logprobs[0], strict=True):
+            assert abs(lp - lp0) <= 1e-4
+            assert [i for i, _ in best] == [i for i, _ in best0] or max(
+                abs(a - b) for (_, a), (_, b) in zip(best, best0, strict=True)) <= 1e-4
+
+
+def test_qwens_template_renders_tools_and_a_named_call_follows_its_schema(engines: Path):
+    """Qwen2.5's own chat template renders the tools (no Hermes text of ours), and a named
+    tool choice makes the 1.5B model write one call whose arguments validate."""
+    import json
+
+    import jsonschema
+
+    from paradraft.runtime.checkpoints import format_chat, renders_tools
+    from paradraft.runtime.grammar import Guide
+    from paradraft.runtime.serving.openai_tools import (
+        call_guide,
+        parse_calls,
+        parse_tools,
+        template_messages,
+    )
+    from paradraft.runtime.tools.bench import matchers
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}}
+    tools = parse_tools([weather], {"type": "function", "function": {"name": "get_weather"}})
+    assert renders_tools(engines)
+    messages, definitions = template_messages(
+        [{"role": "user", "content": "How warm is it in Lisbon, in celsius?"}], tools, True)
+    text = format_chat(engines, messages, tools=definitions)
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    tokenizer = load_tokenizer(engines)
+    verifier, drafters, _, _ = load_engines(engines)
+    eos = tuple(dict.fromkeys((*verifier.config.eos_token_ids,
+                               *chat_stop_token_ids(engines))))
+    dec = SpeculativeDecoder(verifier, drafters["model"], RuleParams("greedy"), k=4,
+                             max_batch_size=1, max_seq_len=512)
+    grammar = matchers([Guide("lark", call_guide(tools))], str(engines / "tokenizer.json"),
+                       verifier)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    out = dec.generate([ids], 80, eos_token_id=eos, grammars=grammar).token_ids[0]
+    content, calls = parse_calls(tokenizer.decode(out, skip_special_tokens=True))
+    assert content is None and len(calls) == 1, tokenizer.decode(out)
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(arguments, weather["function"]["parameters"])
+    assert arguments["city"] == "Lisbon"

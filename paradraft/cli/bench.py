@@ -213,9 +213,13 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("fused_correction must be a comma list of on, off, auto; got "
                          f"{args.fused_correction!r}")
     chat_ids: tuple[int, ...] = ()
+    guides = tokenizer_json = None
     if args.prompt_file:
         # the engine dir carries the tokenizer and chat template its engines were built with
-        prompts, chat_ids = read_prompt_file(args.prompt_file, args.engines or args.verifier)
+        source = args.engines or args.verifier
+        prompts, chat_ids, guides = read_prompt_file(args.prompt_file, source)
+        guides = guides if any(g is not None for g in guides) else None
+        tokenizer_json = str(Path(source) / "tokenizer.json")
     else:
         prompts = eval_prompts(args)
     peer = make_peer(args)  # checked before anything is built
@@ -248,7 +252,8 @@ def run(args: argparse.Namespace) -> None:
                                      fused_modes=fused_modes if backend not in (
                                          "torch", "llamacpp") else ("off",),
                                      eos_token_id=eos, sampling_rows=not args.greedy_only,
-                                     peer=peer if i == 0 else None)
+                                     peer=peer if i == 0 else None, guides=guides,
+                                     tokenizer_json=tokenizer_json)
             for r in backend_rows:  # the peers run transformers' own code on torch
                 r.backend = backend if r.system == "ours" else "torch"
                 if r.system == "openvino":

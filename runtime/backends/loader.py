@@ -102,5 +102,6 @@ def load_engines(
     drafters["ngram"] = Drafter("ngram", ngram_min=ngram_min, ngram_max=ngram_max,
                                 ngram_batched_min=ngram_batched_min, ngram_shared=ngram_shared)
     drafters["suffix"] = Drafter("suffix", **suffix_options)
+    drafters["grammar"] = Drafter("grammar")
     tokenizer = engine_dir / manifest["tokenizer"] if manifest.get("tokenizer") else None
     return verifier, drafters, tokenizer, manifest

@@ -224,6 +224,8 @@ def build_scheduler(config: ServeConfig, device: str | None = None):
             drafter = lookup
         elif config.drafter == "suffix":
             drafter = Drafter("suffix", **config.suffix_options)
+        elif config.drafter == "grammar":
+            drafter = Drafter("grammar")
         else:
             drafter = Drafter(config.drafter, load_draft(config.draft, config.verifier,
                                                          verifier.config.vocab_size,

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
 from ..correction import RULES, RuleParams
 from ..drafters import MODEL_FREE_DRAFTERS, AnyDrafter
+from ..grammar import Guide, RowGrammar, compile_guide
 from ..k_policy import analytic_length
 from ..metrics import SpecStats, aggregate
 from ..model import Transformer
@@ -131,15 +132,17 @@ PHASES = ("draft", "verify", "correct", "prefill", "other")
 
 
 def read_prompt_file(path: str | Path, model_dir: str | Path
-                     ) -> tuple[list[list[int]], tuple[int, ...]]:
+                     ) -> tuple[list[list[int]], tuple[int, ...], list[Guide | None]]:
     """The token prompts of a JSONL file, one request per line: ``{"messages": [...]}``
     (through ``model_dir``'s chat template, ending in the assistant's turn) or
-    ``{"prompt": "..."}`` (text, with the tokenizer's special tokens), and the end-of-turn
-    ids its chat requests stop at (none without one). Blank lines are skipped; a bad line is
-    refused naming its number and the field. ``humaneval[:N]`` instead of a path: the first
-    N HumanEval problems as chat requests (``humaneval.py``)."""
+    ``{"prompt": "..."}`` (text, with the tokenizer's special tokens), optionally with
+    OpenAI's ``"response_format"`` (``json_object``, or ``json_schema`` with its
+    ``json_schema.schema``: the output follows it); the end-of-turn ids its chat requests
+    stop at (none without one); and each request's guide (None: unconstrained). Blank lines
+    are skipped; a bad line is refused naming its number and the field. ``humaneval[:N]``
+    instead of a path: the first N HumanEval problems as chat requests (``humaneval.py``)."""
     tokenizer = load_tokenizer(model_dir)
-    prompts, chat = [], False
+    prompts, chat, guides = [], False, []
     count = humaneval.parse_spec(path)
     lines = (Path(path).read_text(encoding="utf-8").splitlines() if count is False else
              [json.dumps(humaneval.chat_request(p)) for p in humaneval.problems(count)])
@@ -151,11 +154,13 @@ def read_prompt_file(path: str | Path, model_dir: str | Path
             request = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(request, dict) or len(request) != 1 or not (
-                {"messages", "prompt"} & set(request)):
+        if not isinstance(request, dict) or len({"messages", "prompt"} & set(request)) != 1 or (
+                set(request) - {"messages", "prompt", "response_format"}):
             fields = sorted(request) if isinstance(request, dict) else type(request).__name__
             raise ValueError(f"{where}: a request is an object with exactly one of "
-                             f"'messages' and 'prompt'; got {fields}")
+                             f"'messages' and 'prompt' (and optionally 'response_format'); "
+                             f"got {fields}")
+        guides.append(format_guide(request.get("response_format"), where))
         if "prompt" in request:
             if not isinstance(request["prompt"], str) or not request["prompt"]:
                 raise ValueError(f"{where}: 'prompt' must be a non-empty string")
@@ -181,7 +186,30 @@ def read_prompt_file(path: str | Path, model_dir: str | Path
         prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path}: no requests (one JSON object per line)")
-    return prompts, chat_stop_token_ids(model_dir) if chat else ()
+    return prompts, chat_stop_token_ids(model_dir) if chat else (), guides
+
+
+def format_guide(response_format: object, where: str) -> Guide | None:
+    """OpenAI's ``response_format`` as a grammar guide (None: text)."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    if kind == "json_object":
+        return Guide("json")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError(f"{where}: 'response_format' must be {{\"type\": \"json_object\"}} "
+                         "or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": "
+                         f"{{...}}}}}}; got {response_format!r}")
+    return Guide("json_schema", json.dumps(spec["schema"]))
+
+
+def matchers(guides: list[Guide | None], tokenizer_json: str, verifier: Transformer
+             ) -> list[RowGrammar | None]:
+    """A fresh matcher per constrained request (its guide compiled once: cached)."""
+    vocab = verifier.config.vocab_size
+    return [None if g is None else RowGrammar(compile_guide(g, tokenizer_json, vocab),
+                                              tokenizer_json, vocab) for g in guides]
 
 
 def leviathan_bound(alpha: float, k: float, c: float) -> float:
@@ -213,11 +241,14 @@ def alpha_from_mean_accepted(mean_accepted: float, k: float) -> float:
 def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RuleParams, k: int,
              prompts: list[list[int]], max_new_tokens: int, batch_size: int, seed: int,
              row: BenchRow, token_ids: list[list[int]] | None = None,
-             eos_token_id: EosIds = None) -> BenchRow:
+             eos_token_id: EosIds = None, guides: list[Guide | None] | None = None,
+             tokenizer_json: str | None = None) -> BenchRow:
     """Decode ``prompts`` in batches into ``row``'s counts; ``token_ids``: a list to extend
     with each prompt's generated tokens (to compare outputs across variants). The phase
     times add to ``row``'s (over batches and repeats). ``eos_token_id``: where requests stop
-    (None: each decodes ``max_new_tokens``)."""
+    (None: each decodes ``max_new_tokens``). ``guides``: each prompt's grammar (None:
+    unconstrained), over ``tokenizer_json``; a request's fresh matcher is made before its
+    batch's clock starts, as a server makes it off the decode loop."""
     dec = SpeculativeDecoder(verifier, drafter, params, k=k, max_batch_size=batch_size,
                              max_seq_len=max(map(len, prompts)) + max_new_tokens,
                              acceptance_floor=0.0,
@@ -230,9 +261,11 @@ def run_ours(verifier: Transformer, drafter: AnyDrafter | None, params: RulePara
         row_stats: list[SpecStats] = []
         out: list[list[int]] = [[] for _ in batch]
         rounds, prefill = -1, 0.0  # the first yield is the prefill's token
+        grammars = None if guides is None else matchers(guides[i: i + batch_size],
+                                                         tokenizer_json, verifier)
         t0 = time.perf_counter()
         for new in dec.stream(batch, max_new_tokens, seed=seed, eos_token_id=eos_token_id,
-                              stats=row_stats):
+                              stats=row_stats, grammars=grammars):
             if rounds < 0:
                 prefill = time.perf_counter() - t0
             rounds += 1
@@ -412,13 +445,23 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
               max_new_tokens: int, batch_sizes: list[int], ks: list[int],
               hf_dirs: tuple[str, str] | None, seed: int = 0, temperature: float = 1.0,
               repeats: int = 1, fused_modes: tuple[str, ...] = ("off",),
-              eos_token_id: EosIds = None, sampling_rows: bool = True, peer=None
+              eos_token_id: EosIds = None, sampling_rows: bool = True, peer=None,
+              guides: list[Guide | None] | None = None, tokenizer_json: str | None = None
               ) -> list[BenchRow]:
     """``eos_token_id``: where every variant's requests stop (None: each decodes
     ``max_new_tokens``, so all variants decode the same number of tokens; with end ids
     greedy variants still do, as they emit the same tokens). ``peer``: a
     ``peer_openvino.OpenVinoPeer`` or ``peer_llamacpp.LlamaCppPeer``, whose rows join the
-    plan (interleaved with ours)."""
+    plan (interleaved with ours). ``guides``: per prompt, the grammar its output follows
+    (None: unconstrained; ``tokenizer_json`` is then the tokenizer's file): every variant of
+    ours follows them, and llama.cpp's programs too (``--json-schema``); transformers' peers
+    cannot, so they are refused."""
+    if guides is not None and hf_dirs is not None:
+        raise ValueError("response_format: the transformers peers cannot follow a prompt "
+                         "file's grammars; run with --no-hf")
+    if guides is not None and peer is not None and not hasattr(peer, "draft"):
+        raise ValueError("response_format: the OpenVINO peer cannot follow a prompt file's "
+                         "grammars")
     hf_verifier = hf_draft = None
     if hf_dirs is not None:
         from transformers import AutoModelForCausalLM
@@ -440,17 +483,20 @@ def run_bench(verifier: Transformer, drafters: dict[str, AnyDrafter], prompts: l
             row.tokens, row.seconds, row.decode_tokens, row.decode_seconds = 0, 0.0, 0, 0.0
             n = max(len(prompts) // row.batch_size, 1) * row.batch_size
             batch_prompts = (prompts * row.batch_size)[:n]
+            batch_guides = None if guides is None else (guides * row.batch_size)[:n]
             if row.system == "hf":
                 draft = hf_draft if row.variant == "assisted" else None
                 ngram = lookup.ngram_max if row.variant == "prompt_lookup" else None
                 run_hf(hf_verifier, draft, batch_prompts, max_new_tokens, row.batch_size,
                        row.k, row, ngram, eos_token_id)
             elif row.system in ("openvino", "llamacpp"):
-                peer.run(row, batch_prompts, max_new_tokens, eos_token_id)
+                peer.run(row, batch_prompts, max_new_tokens, eos_token_id,
+                         **({} if guides is None else {"guides": batch_guides}))
             else:
                 params = RuleParams(row.rule, temperature=temperature)
                 run_ours(verifier, drafters.get(row.variant), params, row.k, batch_prompts,
-                         max_new_tokens, row.batch_size, seed, row, eos_token_id=eos_token_id)
+                         max_new_tokens, row.batch_size, seed, row, eos_token_id=eos_token_id,
+                         guides=batch_guides, tokenizer_json=tokenizer_json)
             row.repeat_tokens_per_second.append(row.tokens / row.seconds if row.seconds
                                                 else 0.0)
             if row.system in ("ours", "llamacpp"):  # those that time their prefill apart

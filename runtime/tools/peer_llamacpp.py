@@ -131,12 +131,16 @@ class LlamaCppPeer:
         return rows + [BenchRow("llamacpp", kind, "greedy", k, 1, False, backend="llamacpp")
                        for kind in kinds for k in ks]
 
-    def argv(self, row: BenchRow, prompt_file: Path, max_new_tokens: int, stop: bool
-             ) -> list[str]:
+    def argv(self, row: BenchRow, prompt_file: Path, max_new_tokens: int, stop: bool,
+             schema: str | None = None) -> list[str]:
+        """``schema``: a JSON schema the output follows (llama.cpp's own grammar sampler,
+        ``--json-schema``)."""
         common = ["-m", str(self.verifier), "-f", str(prompt_file), "-n", str(max_new_tokens),
                   "-t", str(self.threads), "--temp", "0", "-c", "4096", "--seed", "0"]
         if not stop:
             common.append("--ignore-eos")
+        if schema is not None:
+            common += ["--json-schema", schema]
         if row.variant == "generate":
             return [str(self.tools / "llama-completion"), *common, "-no-cnv", "--no-warmup"]
         spec = ["--spec-type", row.variant, "--spec-draft-n-max", str(row.k)]
@@ -145,13 +149,19 @@ class LlamaCppPeer:
         return [str(self.tools / "llama-speculative-simple"), *common, *spec]
 
     def run(self, row: BenchRow, prompts: list[list[int]], max_new_tokens: int,
-            eos_token_id: int | tuple[int, ...] | None = None) -> BenchRow:
-        """Each prompt in its own run of the program (its load time not counted)."""
+            eos_token_id: int | tuple[int, ...] | None = None,
+            guides: list | None = None) -> BenchRow:
+        """Each prompt in its own run of the program (its load time not counted);
+        ``guides``: each prompt's (grammar.Guide: a JSON schema, or any JSON object) or
+        None."""
         with tempfile.TemporaryDirectory(prefix="llama-peer-") as tmp:
             for i, prompt in enumerate(prompts):
                 f = Path(tmp) / f"prompt{i}.txt"
                 f.write_text(self.decode(prompt), encoding="utf-8")
-                log = run(self.argv(row, f, max_new_tokens, eos_token_id is not None),
+                guide = None if guides is None else guides[i]
+                schema = None if guide is None else (
+                    guide.text if guide.kind == "json_schema" else '{"type": "object"}')
+                log = run(self.argv(row, f, max_new_tokens, eos_token_id is not None, schema),
                           f"llama.cpp {row.variant} k={row.k}")
                 tokens, prompt_s, decode_s = parse_timings(log, row.variant != "generate")
                 row.tokens += tokens
