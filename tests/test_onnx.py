@@ -186,7 +186,8 @@ def test_int8_drafting_graphs_keep_the_output_and_shrink_the_drafts(pair, pair_e
                                  acceptance_floor=0.0)
         got = dec.generate(prompts, max_new)
         assert got.token_ids == truth, kind
-        assert got.stats.accepted_tokens > 0, kind
+        # (the grammar's own proposals need a grammar: unconstrained, it drafts nothing)
+        assert got.stats.accepted_tokens > 0 or kind == "grammar", kind
 
 
 @pytest.mark.parametrize("kind", ["model", "self"])
@@ -560,10 +561,14 @@ DEMO = Path(__file__).resolve().parent.parent / "models" / "demo"
                     reason="demo models not present")
 def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
     r = run_cli("bench", "--backends", "torch,onnx", "--prompts", "1", "--max-new-tokens", "6",
-                "--ks", "2", "--batch-sizes", "1", "--drafters", "model,self", "--no-hf",
+                "--ks", "2", "--batch-sizes", "1", "--drafters", "model,self",
                 "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
+    # the peers run transformers on torch once, whichever backends our rows ran on
+    peers = [row for row in data["rows"] if row["system"] == "hf"]
+    assert sorted(row["variant"] for row in peers) == ["assisted", "generate"]
+    assert {row["backend"] for row in peers} == {"torch"}
     backends = {(row["backend"], row["variant"]) for row in data["rows"]}
     assert {("torch", "model"), ("onnx", "model"), ("onnx", "self")} <= backends
     onnx_rows = [row for row in data["rows"] if row["backend"] == "onnx"]
@@ -576,19 +581,6 @@ def test_cli_bench_runs_both_backends_side_by_side(tmp_path):
         rows = [row for row in data["rows"] if row["backend"] == backend
                 and row["variant"] != "baseline" and not row["sampling"]]
         assert best["speedup_vs_baseline"] == max(row["speedup_vs_baseline"] for row in rows)
-
-
-@pytest.mark.skipif(not (DEMO / "draft" / "config.json").is_file(),
-                    reason="demo models not present")
-def test_cli_bench_labels_the_transformers_peers_torch(tmp_path):
-    # the peers run transformers on torch, whichever backend our rows ran on
-    r = run_cli("bench", "--backends", "onnx", "--prompts", "1", "--max-new-tokens", "6",
-                "--ks", "2", "--batch-sizes", "1", "--drafters", "model", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert {row["variant"] for row in rows if row["system"] == "hf"} == {"generate", "assisted"}
-    assert {row["backend"] for row in rows if row["system"] == "hf"} == {"torch"}
-    assert {row["backend"] for row in rows if row["system"] == "ours"} == {"onnx"}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])

@@ -35,6 +35,8 @@ TEMPLATES = Path(__file__).resolve().parent.parent.parent / "triton_repo"
 MODELS = (MODEL,)
 # how long stop() lets the model instances end their requests before tritonserver exits
 STOP_WAIT_S = 10.0
+# how long a tritonserver stopped before it was ready (abandon) may take to exit on SIGINT
+ABANDON_WAIT_S = 2.0
 # tritonserver's log line, once a second while it waits to exit
 EXIT_COUNTDOWN = re.compile(r'"Timeout \d+: Found \d+ ')
 # once every request has had its final response, tritonserver only unloads the model (its
@@ -253,6 +255,18 @@ class Server:
         unloading = log.rfind(UNLOAD_BEGUN)
         return unloading >= 0 and not FINALIZE_BEGUN.search(log, unloading)
 
+    def abandon(self, grace: float = ABANDON_WAIT_S) -> int:
+        """Stop a tritonserver that never became ready (nothing was served, nothing can be
+        lost): SIGINT, then its process group killed after ``grace`` seconds. A graceful
+        stop would wait for the model to finish loading and then Triton's exit timeout (30 s
+        for Ctrl-C during start-up)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace)
+        self.kill_group()  # the stubs too, which may outlive it
+        return self.process.returncode
+
     def kill_group(self) -> None:
         """SIGKILL tritonserver and the model's stub processes (its process group)."""
         try:
@@ -404,5 +418,5 @@ def start_server(config: ServeConfig, tokenizer_path: str, host: str = "127.0.0.
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {ready_timeout}s; log {log}")
     except BaseException:  # a timeout, or Ctrl-C / SIGTERM while waiting: no orphan server
-        server.stop()
+        server.abandon()
         raise
