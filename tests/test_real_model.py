@@ -99,11 +99,12 @@ def reference(smol: Path):
 @pytest.fixture(scope="module")
 def engines(smol: Path, tmp_path_factory) -> Path:
     """The deployment's ONNX engines: the verifier, and the shipped draft where present (its
-    fused k-step graphs left out: CI's budget; test_onnx checks them against the steps)."""
+    fused k-step graphs and int8 drafting graphs left out: CI's budget; test_onnx checks
+    both against the float32 steps)."""
     out = tmp_path_factory.mktemp("smol_engines")
     draft = SHIPPED_DRAFT if (SHIPPED_DRAFT / "config.json").is_file() else None
     build_engines(smol, out, draft, max_batch_size=2, max_k=4, max_seq_len=256,
-                  calibrate_rules=False, fused_drafts=False)
+                  calibrate_rules=False, fused_drafts=False, draft_precision="float32")
     return out
 
 

@@ -995,7 +995,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_0(tmp_pat
 
         def long_stream(i):
             try:
-                outcome[i] = serving_client.complete(url, "def long_function():", 400,
+                outcome[i] = serving_client.complete(url, "def long_function():", 250,
                                                      end_id=-1)
             except Exception as e:  # recorded for the assertions below
                 outcome[i] = e
@@ -1043,7 +1043,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_0(tmp_pat
     for i in range(2):
         done = outcome[i]
         assert not isinstance(done, Exception), done
-        assert sum(done.chunk_tokens) == 400 and done.finish_reason == "length"
+        assert sum(done.chunk_tokens) == 250 and done.finish_reason == "length"
     assert proc.returncode == 0, out
     assert "paradraft: drained" in out and "tritonserver stopped (0)" in out, out
     time.sleep(0.5)  # the kernel reaps the stopped processes
