@@ -54,7 +54,15 @@ from .openai_schema import (
     request_fields,
     validate_body,
 )
-from .openai_tools import CallSplitter, ToolError, Tools, call_guide, parse_calls, parse_tools
+from .openai_tools import (
+    CallSplitter,
+    ToolError,
+    Tools,
+    call_guide,
+    parse_calls,
+    parse_tools,
+    tags_are_tokens,
+)
 from .openai_tools import template_messages as tool_template_messages
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -378,7 +386,7 @@ def parse_job(body: dict, kind: str, tokenizer, config: OpenAIConfig,
     stop = stop_strings(body)
     n = integer(body, "n", 1, min(N_MAX, config.max_choices))
     inputs.update(guide_inputs(body.get("response_format")))
-    calls = None if tools is None else call_guide(tools)
+    calls = None if tools is None else call_guide(tools, tags_are_tokens(tokenizer))
     if calls is not None:  # required, or a named function: one call, its schema followed
         if "guided_decoding_guide_type" in inputs:
             raise invalid("tool_choice", f"tool_choice {body.get('tool_choice')!r} constrains "

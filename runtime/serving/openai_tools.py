@@ -95,10 +95,12 @@ def parse_tools(tools: object, tool_choice: object) -> Tools | None:
     return Tools(tuple(functions), named, named=True)
 
 
-def call_guide(tools: Tools) -> str | None:
+def call_guide(tools: Tools, tag_tokens: bool = False) -> str | None:
     """The Lark grammar a ``required`` or named choice constrains the output to: one call to
     one of the functions (the named one), its arguments following its schema; None for
-    ``auto``."""
+    ``auto``. ``tag_tokens``: the vocabulary holds ``<tool_call>`` and ``</tool_call>`` as
+    tokens of their own (Qwen2.5's), which the grammar must name as tokens: the model writes
+    them so, and a grammar engine matches added tokens only by name (``tags_are_tokens``)."""
     if tools.choice == "auto":
         return None
     options = [f for f in tools.functions if not tools.named or f["name"] == tools.choice]
@@ -107,8 +109,15 @@ def call_guide(tools: Tools) -> str | None:
               "required": ["name", "arguments"], "additionalProperties": False}
              for f in options]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": CALL_JSON}
-    return (f"start: {json.dumps(CALL_OPEN + chr(10))} call {json.dumps(chr(10) + CALL_CLOSE)}"
-            f"\ncall: %json {json.dumps(schema)}")
+    opening, closing = (CALL_OPEN, CALL_CLOSE) if tag_tokens else (
+        json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE))
+    return f'start: {opening} "\\n" call "\\n" {closing}\ncall: %json {json.dumps(schema)}'
+
+
+def tags_are_tokens(tokenizer) -> bool:
+    """Whether ``<tool_call>`` and ``</tool_call>`` are tokens of their own in the
+    tokenizer's vocabulary (a ``tokenizers.Tokenizer``)."""
+    return all(tokenizer.token_to_id(tag) is not None for tag in (CALL_OPEN, CALL_CLOSE))
 
 
 def template_messages(messages: list[dict], tools: Tools | None, renders_tools: bool
