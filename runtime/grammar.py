@@ -54,6 +54,26 @@ class Guide:
     text: str = ""
 
 
+def response_format_guide(response_format: object, schema_required: bool = False
+                          ) -> Guide | None:
+    """OpenAI's ``response_format`` as a guide: None for text (or none), any JSON object for
+    ``json_object``, the schema of ``json_schema`` (any JSON object where it gives none,
+    unless ``schema_required``); ValueError naming response_format otherwise."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return Guide("json")
+    spec = response_format.get("json_schema") if kind == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(
+            schema if schema_required else schema or {}, dict):
+        raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": "
+                         "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                         f"{{\"name\": ..., \"schema\": {{...}}}}}}; got {response_format!r}")
+    return Guide("json_schema", json.dumps(schema or {"type": "object"}))
+
+
 @lru_cache(maxsize=16)
 def grammar_tokenizer(tokenizer_json: str, vocab_size: int):
     """llguidance's view of a tokenizer, its masks ``vocab_size`` wide (the model's, which may

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer, renders_tools
 from ..correction import PARAMETER_RANGES
+from ..grammar import response_format_guide
 from ..logprobs import MAX_TOP_LOGPROBS
 from .client import MODEL, answers, is_final, raw_arrays, raw_outputs, raw_request
 from .openai_logprobs import (
@@ -214,21 +215,16 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
 
 def guide_inputs(response_format) -> dict[str, tuple[str, object]]:
     """The served model's guided decoding inputs for ``response_format`` (none for text)."""
-    if response_format is None or response_format == {"type": "text"}:
+    try:
+        guide = response_format_guide(response_format)
+    except ValueError as e:
+        raise invalid("response_format", str(e)) from None
+    if guide is None:
         return {}
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "json_object":
-        return {"guided_decoding_guide_type": ("BYTES", [b"json"])}
-    spec = response_format.get("json_schema") if kind == "json_schema" else None
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(spec, dict) or not isinstance(schema or {}, dict):
-        raise invalid("response_format", "response_format must be {\"type\": \"text\"}, "
-                                         "{\"type\": \"json_object\"} or {\"type\": "
-                                         "\"json_schema\", \"json_schema\": {\"name\": ..., "
-                                         f"\"schema\": {{...}}}}}}; got {response_format!r}")
-    schema = schema or {"type": "object"}  # none given: any JSON object
-    return {"guided_decoding_guide_type": ("BYTES", [b"json_schema"]),
-            "guided_decoding_guide": ("BYTES", [json.dumps(schema).encode()])}
+    inputs = {"guided_decoding_guide_type": ("BYTES", [guide.kind.encode()])}
+    if guide.text:
+        inputs["guided_decoding_guide"] = ("BYTES", [guide.text.encode()])
+    return inputs
 
 
 def stop_strings(body: dict) -> list[str]:

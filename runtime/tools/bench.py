@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..checkpoints import chat_stop_token_ids, format_chat, load_tokenizer
 from ..correction import RULES, RuleParams
 from ..drafters import MODEL_FREE_DRAFTERS, AnyDrafter
-from ..grammar import Guide, RowGrammar, compile_guide
+from ..grammar import Guide, RowGrammar, compile_guide, response_format_guide
 from ..k_policy import analytic_length
 from ..metrics import SpecStats, aggregate
 from ..model import Transformer
@@ -190,18 +190,13 @@ def read_prompt_file(path: str | Path, model_dir: str | Path
 
 
 def format_guide(response_format: object, where: str) -> Guide | None:
-    """OpenAI's ``response_format`` as a grammar guide (None: text)."""
-    if response_format is None or response_format == {"type": "text"}:
-        return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    spec = response_format.get("json_schema") if kind == "json_schema" else None
-    if kind == "json_object":
-        return Guide("json")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise ValueError(f"{where}: 'response_format' must be {{\"type\": \"json_object\"}} "
-                         "or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": "
-                         f"{{...}}}}}}; got {response_format!r}")
-    return Guide("json_schema", json.dumps(spec["schema"]))
+    """A prompt file line's ``response_format`` as a grammar guide (None: text); a
+    ``json_schema`` must give its schema."""
+    try:
+        return response_format_guide(response_format, schema_required=True)
+    except ValueError as e:
+        raise ValueError(f"{where}: 'response_format' {str(e).removeprefix('response_format ')}"
+                         ) from None
 
 
 def matchers(guides: list[Guide | None], tokenizer_json: str, verifier: Transformer
