@@ -23,9 +23,11 @@ from paradraft.runtime.tools.loadtest import (
     LevelResult,
     cached_prompt_tokens,
     parse_variants,
+    read_chat_lines,
     read_chat_requests,
     requester,
     run_chat_load,
+    run_level,
     run_multiturn,
 )
 from paradraft.runtime.tools.peer_llamacpp import CMAKE, SERVER, TOOLS, cmake_flags
@@ -237,8 +239,9 @@ def chat_events(answer: str, prompt_tokens: int, cached: int, style: str) -> lis
 
 class StandIn(BaseHTTPRequestHandler):
     """/v1/chat/completions: answers ``A<n>`` where n counts the request's messages; reports
-    10 prompt tokens a message, all but the last message's cached; ``fail`` in the last
-    message is a 400, ``cut`` a stream without its end. Records every body and connection."""
+    10 prompt tokens a message, all but the last message's cached (with a response_format:
+    ``{"n": <n>}``); ``fail`` in the last message is a 400, ``cut`` a stream without its end.
+    Records every body and connection."""
 
     protocol_version = "HTTP/1.1"
     style = "llama"
@@ -263,7 +266,8 @@ class StandIn(BaseHTTPRequestHandler):
         time.sleep(cls.delay)
         last = body["messages"][-1]["content"]
         n = len(body["messages"])
-        events = chat_events(f"A{n}-answer", 10 * n, 10 * (n - 1), cls.style)
+        answer = json.dumps({"n": n}) if "response_format" in body else f"A{n}-answer"
+        events = chat_events(answer, 10 * n, 10 * (n - 1), cls.style)
         status, data = 200, sse(events[:3] if "cut" in last else events)
         if "fail" in last:
             status, data = 400, b'{"error": {"message": "no such thing", "code": 400}}'
@@ -336,6 +340,62 @@ def test_every_chat_request_opens_a_new_connection(standin):
     for _ in range(3):
         send(USER, 8)
     assert len(handler.ports) == 3
+
+
+# -- requests with a response_format -------------------------------------------------------------
+
+def schema_format(name: str, n_type: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": {
+        "type": "object", "properties": {"n": {"type": n_type}}, "required": ["n"]}}}
+
+
+def test_a_lines_response_format_goes_with_its_request_and_its_answers_are_checked(
+        standin, tmp_path):
+    url, handler = standin
+    lines = [{"messages": USER, "response_format": schema_format("int", "integer")},
+             # the stand-in's {"n": 1} does not follow this one
+             {"messages": USER, "response_format": schema_format("str", "string")},
+             {"messages": USER, "response_format": {"type": "json_object"}},
+             {"messages": USER}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    read = read_chat_lines(path)
+    assert [f for _, f in read] == [line.get("response_format") for line in lines]
+    r = run_level(url, [m for m, _ in read], 2, 8, 8, protocol="chat",
+                  formats=[f for _, f in read])
+    assert (r.answered, r.errors, r.lost) == (8, 0, 0)
+    assert (r.constrained, r.schema_valid) == (6, 4)
+    sent = [b.get("response_format") for b in handler.bodies]
+    assert sorted(map(json.dumps, sent)) == sorted(
+        map(json.dumps, [line.get("response_format") for line in lines] * 2))
+    plain = run_level(url, [m for m, _ in read], 1, 2, 8, protocol="chat")
+    assert (plain.constrained, plain.schema_valid) == (0, 0)
+
+
+def test_the_json_extraction_set_reads_as_chat_requests_each_with_a_schema():
+    read = read_chat_lines(Path(__file__).parents[1] / "prompts" / "json_extraction.jsonl")
+    assert len(read) == 16
+    assert all(f["type"] == "json_schema" and f["json_schema"]["schema"]["type"] == "object"
+               for _, f in read)
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"messages": USER, "max_tokens": 3}, "max_tokens: a chat request carries only"),
+    ({"messages": USER, "response_format": "json"}, "response_format must be an object"),
+    ({"messages": "hi"}, "a chat request is an object"),
+])
+def test_a_bad_chat_line_is_refused_naming_its_number_and_the_field(tmp_path, line, message):
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps({"messages": USER}) + "\n" + json.dumps(line))
+    with pytest.raises(ValueError, match=f"line 2: .*{message}"):
+        read_chat_lines(path)
+
+
+def test_followups_with_a_response_format_are_refused(tmp_path):
+    path = tmp_path / "followups.jsonl"
+    path.write_text(json.dumps({"messages": USER, "response_format": {"type": "json_object"}}))
+    with pytest.raises(ValueError, match="request 1: response_format"):
+        read_chat_requests(path)
 
 
 # -- the multiturn workload ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from paradraft.runtime.tools.loadtest import (
     ReferenceProcess,
     parse_variants,
     print_results,
+    read_chat_lines,
     read_chat_requests,
     run_chat_load,
     run_loadtest,
@@ -61,8 +62,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where loadtest.json and loadtest.png go")
     c = p.add_argument_group("chat (--protocol chat)")
     c.add_argument("--prompt-file", default=None, metavar="FILE.jsonl|humaneval:N",
-                   help="chat requests, one {\"messages\": [...]} a line, or the first N "
-                   "HumanEval problems (default humaneval:8)")
+                   help="chat requests, one {\"messages\": [...]} a line, optionally with "
+                   "OpenAI's \"response_format\" (sent with it; each answer is checked "
+                   "against its schema), or the first N HumanEval problems (default "
+                   "humaneval:8)")
     c.add_argument("--variants", default=None, metavar="V[,V...]",
                    help="request variants on our server, in the request body: default (its "
                    "settings), plain (num_draft_tokens 0), ngram (drafter ngram), ngram:K "
@@ -188,10 +191,16 @@ def run_chat(args: argparse.Namespace, levels: list[int]) -> None:
     check_range(args, "peer_slots", 1, 256)
     check_range(args, "peer_ctx_per_slot", 16, 1 << 20)
     multiturn = args.workload == "multiturn"
-    load = ChatLoad(read_chat_requests(args.prompt_file or "humaneval:8"), levels,
+    lines = read_chat_lines(args.prompt_file or "humaneval:8")
+    formats = [response_format for _, response_format in lines]
+    if multiturn and any(f is not None for f in formats):
+        raise ValueError("prompt_file: response_format is sent with single requests; "
+                         "--workload multiturn sends none")
+    load = ChatLoad([messages for messages, _ in lines], levels,
                     args.max_tokens, args.requests, args.conversations,
                     read_chat_requests(args.followups) if multiturn else [], args.workload,
-                    args.repeats, args.timeout, args.served_model_name)
+                    args.repeats, args.timeout, args.served_model_name,
+                    formats if any(f is not None for f in formats) else [])
     config = serve_config(args)
     # a server at --url has its own --k: the server checks K there
     variants = parse_variants(args.variants or "default", None if args.url else config.k)

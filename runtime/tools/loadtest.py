@@ -80,6 +80,9 @@ class LevelResult:
     workload: str = "single"  # or multiturn
     # multiturn: per turn number, {"turn", "requests", "ttft_p50_ms", "cached_tokens", ...}
     per_turn: list[dict] = field(default_factory=list)
+    # answers to requests with a JSON response_format, and how many of them validate
+    constrained: int = 0
+    schema_valid: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -317,10 +320,11 @@ def requester(protocol: str, url: str, timeout: float, model: str = "paradraft",
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}; got {protocol!r}")
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if protocol == "chat":
-        def send(messages: list[dict], n: int) -> ChatCompletion:
+        def send(messages: list[dict], n: int, fields: dict | None = None) -> ChatCompletion:
             conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
             try:
-                return openai_chat(conn, messages, n, timeout, model, extra)
+                return openai_chat(conn, messages, n, timeout, model, {**(extra or {}),
+                                                                       **(fields or {})})
             finally:
                 conn.close()
 
@@ -388,12 +392,13 @@ def run_workers(concurrency: int, requests: int, work: Callable[[int], None],
 
 def run_level(url: str, prompts: list, concurrency: int, requests: int, max_tokens: int,
               progress: tqdm | None = None, repeat: int = 0, protocol: str = "grpc",
-              timeout: float = 300, model: str = "paradraft", extra: dict | None = None
-              ) -> LevelResult:
+              timeout: float = 300, model: str = "paradraft", extra: dict | None = None,
+              formats: list[dict | None] | None = None) -> LevelResult:
     """``requests`` requests over ``concurrency`` workers; ``prompts``: strings, or (chat)
-    message lists; ``extra``: more body fields of every request (openai, chat)."""
+    message lists; ``extra``: more body fields of every request (openai, chat); ``formats``
+    (chat): each prompt's ``response_format`` or None, its answers checked against it."""
     lock = threading.Lock()
-    results, errors, lost = [], [], []
+    results, errors, lost, answers = [], [], [], []
     local = threading.local()
     senders: list[Callable] = []
 
@@ -402,10 +407,17 @@ def run_level(url: str, prompts: list, concurrency: int, requests: int, max_toke
             local.send, close = requester(protocol, url, timeout, model, extra)
             with lock:
                 senders.append(close)
+        response_format = formats[i % len(formats)] if formats else None
         try:
-            r = local.send(prompts[i % len(prompts)], max_tokens)
+            if response_format is None:
+                r = local.send(prompts[i % len(prompts)], max_tokens)
+            else:
+                r = local.send(prompts[i % len(prompts)], max_tokens,
+                               {"response_format": response_format})
             with lock:
                 results.append(r)
+                if schema_of(response_format) is not None:
+                    answers.append((r.text, schema_of(response_format)))
         except ServerError as e:  # counted, never raised: the run must finish
             with lock:
                 errors.append(str(e)[:200])
@@ -418,36 +430,86 @@ def run_level(url: str, prompts: list, concurrency: int, requests: int, max_toke
     finally:
         for close in senders:
             close()
-    return level_result(results, errors, lost, requests, concurrency, repeat, seconds, cpu,
-                        protocol)
+    level = level_result(results, errors, lost, requests, concurrency, repeat, seconds, cpu,
+                         protocol)
+    level.constrained, level.schema_valid = len(answers), valid_answers(answers)
+    return level
 
 
 # -- chat requests and the multiturn workload ---------------------------------------------
 
-def read_chat_requests(spec: str | Path) -> list[list[dict]]:
-    """The message lists of a JSONL file, one ``{"messages": [...]}`` a line (blank lines
-    skipped; a bad line refused naming its number), or of ``humaneval[:N]``: the first N
-    HumanEval problems as chat requests (``humaneval.py``)."""
+def read_chat_lines(spec: str | Path) -> list[tuple[list[dict], dict | None]]:
+    """(messages, response_format or None) of each line of a JSONL file, one ``{"messages":
+    [...]}`` a line, optionally with OpenAI's ``"response_format"`` (sent as it is; blank
+    lines skipped; a bad line, or another field, refused naming its number), or of
+    ``humaneval[:N]``: the first N HumanEval problems as chat requests (``humaneval.py``)."""
     count = humaneval.parse_spec(str(spec))
     if count is not False:
-        return [humaneval.chat_request(p)["messages"] for p in humaneval.problems(count)]
+        return [(humaneval.chat_request(p)["messages"], None) for p in humaneval.problems(count)]
     out = []
     for number, line in enumerate(Path(spec).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            messages = json.loads(line).get("messages")
-        except (json.JSONDecodeError, AttributeError):
-            messages = None
+            request = json.loads(line)
+        except json.JSONDecodeError:
+            request = None
+        messages = request.get("messages") if isinstance(request, dict) else None
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages):
             raise ValueError(f"{spec}, line {number}: a chat request is an object "
                              '{"messages": [{"role": ..., "content": ...}, ...]}')
-        out.append(messages)
+        extra = sorted(set(request) - {"messages", "response_format"})
+        if extra:
+            raise ValueError(f"{spec}, line {number}: {', '.join(extra)}: a chat request "
+                             "carries only 'messages' and optionally 'response_format'")
+        response_format = request.get("response_format")
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ValueError(f"{spec}, line {number}: response_format must be an object")
+        out.append((messages, response_format))
     if not out:
         raise ValueError(f"{spec}: no chat requests (one JSON object per line)")
     return out
+
+
+def read_chat_requests(spec: str | Path) -> list[list[dict]]:
+    """The message lists of ``read_chat_lines``; a line with a ``response_format`` is
+    refused (the multiturn follow-ups, which carry only messages)."""
+    lines = read_chat_lines(spec)
+    for number, (_, response_format) in enumerate(lines, 1):
+        if response_format is not None:
+            raise ValueError(f"{spec}, request {number}: response_format: not taken here")
+    return [messages for messages, _ in lines]
+
+
+def schema_of(response_format: dict | None) -> dict | None:
+    """The JSON schema an answer must follow: ``json_schema``'s schema, ``{}`` (any JSON
+    value) for ``json_object``, None for text or no response_format."""
+    kind = (response_format or {}).get("type")
+    if kind == "json_schema":
+        return response_format.get("json_schema", {}).get("schema", {})
+    return {} if kind == "json_object" else None
+
+
+def valid_answers(answers: list[tuple[str, dict]]) -> int:
+    """How many of (text, schema) answers parse as JSON and validate against their
+    schema (``jsonschema``, a dev dependency: refused by name where it is missing)."""
+    if not answers:
+        return 0
+    try:
+        import jsonschema
+    except ImportError:
+        raise RuntimeError("response_format: checking the answers against their schemas "
+                           "needs jsonschema (pip install -e '.[dev]')") from None
+    valid = 0
+    for text, schema in answers:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            continue
+        valid += 1
+    return valid
 
 
 def turn_stats(turn: int, done: list[Completion], failed: int) -> dict:
@@ -552,6 +614,8 @@ class ChatLoad:
     repeats: int = 1
     timeout: float = 300
     model: str = "paradraft"
+    # single workload: each opener's response_format (None: text), its answers validated
+    formats: list[dict | None] = field(default_factory=list)
 
 
 def run_chat_load(url: str, system: str, variants: dict[str, dict], load: ChatLoad
@@ -580,7 +644,7 @@ def run_chat_load(url: str, system: str, variants: dict[str, dict], load: ChatLo
                     else:
                         level = run_level(url, load.openers, c, load.requests,
                                           load.max_tokens, bar, r, "chat", load.timeout,
-                                          load.model, extra)
+                                          load.model, extra, load.formats)
                     level.system, level.variant = system, name
                     out.append(level)
     return out

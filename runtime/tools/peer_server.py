@@ -261,6 +261,9 @@ def row_summary(runs: list[LevelResult]) -> dict:
          "acceptance_rate": median("acceptance_rate"),
          "cached_tokens": median("cached_tokens"),
          "errors": sum(r.errors for r in runs), "lost": sum(r.lost for r in runs)}
+    if any(r.constrained for r in runs):
+        s["constrained"] = sum(r.constrained for r in runs)
+        s["schema_valid"] = sum(r.schema_valid for r in runs)
     if runs[0].per_turn:
         turns = [t["turn"] for t in runs[0].per_turn]
         first = statistics.median(r.per_turn[0]["ttft_p50_ms"] for r in runs)
@@ -335,8 +338,10 @@ def print_comparison(results: list[LevelResult], summary: dict) -> None:
                 continue
             vs = (f"  tok/s {s['tokens_per_second_vs_peer_best'] or 0:.2f}x  TTFT "
                   f"{s['ttft_p50_vs_peer_best'] or 0:.2f}x") if best else ""
+            valid = (f"  schema-valid {s['schema_valid']}/{s['constrained']}"
+                     if "constrained" in s else "")
             print(f"  {name:>30s} {s['tokens_per_second']:7.1f} tok/s  TTFT p50 "
-                  f"{s['ttft_p50_ms']:6.0f}ms{vs}")
+                  f"{s['ttft_p50_ms']:6.0f}ms{vs}{valid}")
             for t in s.get("turns", []):
                 print(f"  {'':>30s}   turn {t['turn']}: TTFT p50 {t['ttft_p50_ms']:6.0f}ms "
                       f"({t['ttft_p50_vs_turn_1'] or 0:.2f}x turn 1), cached "
