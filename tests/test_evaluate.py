@@ -150,14 +150,15 @@ needs_demo = pytest.mark.skipif(
 
 @needs_demo
 def test_bench_end_to_end_writes_well_formed_json(tmp_path):
+    # transformers' peers: test_onnx's bench test runs them (CI's budget)
     r = run_cli("bench", "--prompts", "2", "--max-new-tokens", "8", "--ks", "2",
-            "--batch-sizes", "1,2", "--repeats", "2", "--out", str(tmp_path))
+            "--batch-sizes", "1,2", "--repeats", "2", "--no-hf", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 0
     variants = {(row["system"], row["variant"]) for row in data["rows"]}
-    assert {("ours", "baseline"), ("ours", "model"), ("ours", "parallel"), ("ours", "self"),
-            ("hf", "generate"), ("hf", "assisted")} <= variants
+    assert {("ours", "baseline"), ("ours", "model"), ("ours", "parallel"),
+            ("ours", "self")} <= variants and all(system == "ours" for system, _ in variants)
     assert data["meta"]["repeats"] == 2
     for row in data["rows"]:
         assert row["tokens"] > 0 and row["tokens_per_second"] > 0

@@ -817,8 +817,10 @@ def onnx_server(tmp_path_factory):
     from paradraft.build.onnx import build_engines
 
     engines = tmp_path_factory.mktemp("engines")
+    # without the fused k-step drafting graphs (10 s of CI's budget): in process and served
+    # alike the draft runs its single steps; test_onnx checks the fused graphs against them
     build_engines(MODELS / "verifier", engines, MODELS / "draft", max_batch_size=SLOTS,
-                  max_k=4, max_seq_len=MAX_SEQ)
+                  max_k=4, max_seq_len=MAX_SEQ, fused_drafts=False)
     config = protocol.ServeConfig(
         verifier=str(MODELS / "verifier"), draft=None, engines=str(engines), k=4,
         max_slots=SLOTS, max_queue=8, max_seq_len=MAX_SEQ, max_input_tokens=256,
