@@ -221,6 +221,9 @@ class SpeculativeDecoder:
         # constrained rows draft what their grammar forces (a key, '":'), when it does
         draft_tokens, draft_probs, keep, replaced = self._grammar_drafts(
             slots, draft_tokens, draft_probs, keep, drafted)
+        # constrained rows: the tokens their grammar allows at each verified position (and,
+        # greedy, no drafts past the first one it forbids: they are never kept)
+        allowed, keep = self._grammar_masks(slots, draft_tokens, drafted, keep)
         t1 = time.perf_counter()
         # 2. verify [newest, d_1 … d_K] in one pass, each row at its own positions
         width = draft_tokens.shape[1]
@@ -232,8 +235,6 @@ class SpeculativeDecoder:
         randoms = None if self.params.is_greedy else row_randoms(  # greedy draws nothing
             streams, width, self.verifier.config.vocab_size)
         leaked_rows = None
-        # constrained rows: the tokens their grammar allows at each verified position
-        allowed = self._grammar_masks(slots, draft_tokens, drafted)
         # rows that asked for logprobs: the most top_logprobs among them (None: no row did)
         top = max((self.logprob_tops[s] for s in slots if self.logprob_tops[s] is not None),
                   default=None)
@@ -410,23 +411,32 @@ class SpeculativeDecoder:
             replaced.add(s)
         return draft_tokens, draft_probs, keep, replaced
 
-    def _grammar_masks(self, slots: list[int], draft_tokens: Tensor, drafted: list[int]
-                       ) -> Tensor | None:
-        """Bool [B, width + 1, vocab]: the tokens each row's grammar allows at each verified
-        position, after the drafts before it (all, for rows without one); None when no row
-        has a grammar. The matchers live on the host, so a round with a constrained row
-        moves its drafts there (one transfer); the walk is per constrained row."""
+    def _grammar_masks(self, slots: list[int], draft_tokens: Tensor, drafted: list[int],
+                       keep: Tensor) -> tuple[Tensor | None, Tensor]:
+        """(Bool [B, width + 1, vocab]: the tokens each row's grammar allows at each verified
+        position, after the drafts before it (all, for rows without one), or None when no
+        row has a grammar; the drafts each row keeps). The matchers live on the host, so a
+        round with a constrained row moves its drafts there (one transfer); the walk is per
+        constrained row. Greedy, a row keeps no draft past the first its grammar forbids:
+        the masked verifier never picks it, so the output is the same and those positions
+        are not verified (an engine fed ragged skips them; ``drafted`` is cut in place).
+        Sampled rows keep them: a rejected draft's residual is part of the exact rule."""
         if all(self.grammars[s] is None for s in slots):
-            return None
+            return None, keep
         vocab = self.verifier.config.vocab_size
         width = draft_tokens.shape[1]
         bitmasks = np.full((len(slots), width + 1, (vocab + 31) // 32), -1, dtype=np.int32)
         drafts = draft_tokens.tolist()
+        cut = False
         for b, s in enumerate(slots):
             grammar = self.grammars[s]
             if grammar is not None:
-                grammar.masks(drafts[b][: drafted[b]], bitmasks[b])
-        return allowed_tokens(bitmasks, vocab).to(self.device)
+                valid = grammar.masks(drafts[b][: drafted[b]], bitmasks[b])
+                if self.params.is_greedy and valid < drafted[b]:
+                    drafted[b], cut = valid, True
+        if cut:
+            keep = torch.minimum(keep, torch.tensor(drafted, device=keep.device))
+        return allowed_tokens(bitmasks, vocab).to(self.device), keep
 
     def drafter_of(self, slot: int) -> str:
         """Which drafter drafts this slot's request: "ngram" (the lookup) or "model"."""
@@ -865,7 +875,8 @@ class SpeculativeDecoder:
             self.logprob_tops[s], self.slot_logprobs[s] = logprobs[b], []
         logits = self._feed_prompts(slots, prompts, cached, [len(p) for p in prompts])
         empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
-        allowed = self._grammar_masks(slots, empty, [0] * B)
+        allowed, _ = self._grammar_masks(slots, empty, [0] * B,
+                                         torch.zeros(B, dtype=torch.long, device=dev))
         masked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
         vocab = self.verifier.config.vocab_size
         randoms = None if self.params.is_greedy else row_randoms(

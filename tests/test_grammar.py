@@ -80,6 +80,29 @@ def test_masks_walk_the_drafts_allowed_and_leave_the_matcher_where_it_was(pair):
     assert grammar.done
 
 
+def test_greedy_rows_verify_no_draft_past_the_first_their_grammar_forbids(pair):
+    """Greedy, a draft the grammar forbids is never kept, nor any after it: the row's drafts
+    are cut there (an engine fed ragged verifies none of them). Sampled rows keep theirs:
+    the exact rule's residual after a rejected draft is part of its distribution."""
+    verifier, _, tok = pair
+    vocab = verifier.config.vocab_size
+    guide = Guide("json_schema", json.dumps(SCHEMAS[0]["schema"]))
+    valid = tok.encode('{"name":"Ada","age":36}', add_special_tokens=False).ids
+    bad = tok.encode("x", add_special_tokens=False).ids[0]
+    drafts = torch.tensor([[*valid[:2], bad, valid[3]], valid[:4], valid[:4]])
+    for params, want in ((RuleParams("greedy"), [2, 4, 1]),
+                         (RuleParams("exact", temperature=1.0), [4, 4, 1])):
+        dec = SpeculativeDecoder(verifier, Drafter("ngram"), params, k=4, max_batch_size=3,
+                                 max_seq_len=64)
+        dec.reset()
+        dec.grammars[:2] = row_grammars([guide] * 2, vocab)  # the third row has none
+        drafted = [4, 4, 1]
+        allowed, keep = dec._grammar_masks([0, 1, 2], drafts, drafted,
+                                           torch.tensor([4, 4, 1]))
+        assert drafted == want and keep.tolist() == want, params.rule
+        assert not allowed[0, 2, bad] and allowed[0, 1, valid[1]] and allowed[2].all()
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram", "grammar"])
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(pair, drafter):
     """21 schemas as the rows of one batch, each with its own matcher: the speculative
