@@ -103,7 +103,7 @@ def test_greedy_rows_verify_no_draft_past_the_first_their_grammar_forbids(pair):
         assert not allowed[0, 2, bad] and allowed[0, 1, valid[1]] and allowed[2].all()
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "grammar"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "suffix", "grammar"])
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(pair, drafter):
     """21 schemas as the rows of one batch, each with its own matcher: the speculative
     decoder emits exactly what plain constrained decoding emits, and every output that ended
