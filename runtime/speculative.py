@@ -380,7 +380,7 @@ class SpeculativeDecoder:
         """Where a constrained row's grammar forces its next tokens (known without a model:
         verified, they are accepted unless the row ends), they become the row's drafts, in
         place of the drafter's, unless it proposed them already (and maybe more). The round
-        widens for them up to the decoder's K (a lookup that found nothing leaves it 0),
+        widens for them up to the row's K (a lookup that found nothing leaves it 0),
         except past sampled drafts, whose q has no room. Returns the drafts, their q, the
         kept counts (copies where changed) and the slots whose drafts were replaced (a draft
         model's cache holds none of them); ``drafted`` is updated in place."""
@@ -389,8 +389,10 @@ class SpeculativeDecoder:
             return draft_tokens, draft_probs, keep, replaced
         width = draft_tokens.shape[1]
         room = width if draft_probs is not None else self.k
-        forced = [[] if self.grammars[s] is None else self.grammars[s].forced()[:room]
-                  for s in slots]
+        # at most the row's own K: a request that asked for none (num_draft_tokens 0)
+        # decodes plainly, constrained
+        forced = [[] if self.grammars[s] is None or not self.host_k[s] else
+                  self.grammars[s].forced()[:min(room, self.host_k[s])] for s in slots]
         if not any(forced):
             return draft_tokens, draft_probs, keep, replaced
         host_drafts = draft_tokens.tolist()  # one transfer, in rounds where a grammar forces

@@ -189,3 +189,14 @@ def test_the_grammar_drafts_the_tokens_it_forces(pair, drafter):
     assert stats.draft_tokens >= len(want[0]) // 2, stats
     assert stats.accepted_tokens >= 0.9 * stats.draft_tokens, stats
     jsonschema.validate(json.loads(tok.decode(want[0])), schema)
+    # a request that asks for no drafts (num_draft_tokens 0) decodes plainly, constrained:
+    # the grammar proposes nothing for it either
+    spec.reset()
+    tokens, running = spec.prefill([0], [prompt], [64], [None], [0], num_draft_tokens=[0],
+                                   grammars=row_grammars([guide], vocab))
+    out = tokens[0]
+    while running[0]:
+        gained, running = spec.step([0])
+        out += gained[0]
+    assert out == want[0]
+    assert spec.slot_stats(0).draft_tokens == 0 and spec.slot_stats(0).verify_steps == len(out) - 1
