@@ -151,7 +151,8 @@ JSON_PROMPTS = 6  # of prompts/json_extraction.jsonl
 
 def test_constrained_greedy_speculation_equals_constrained_plain_decoding(engines: Path):
     """JSON extraction on the real pair: with each request's schema, greedy speculation with
-    the draft model, the n-gram lookup and the grammar's own proposals emits exactly what
+    the draft model, the n-gram lookup, the suffix drafter (serve's default for llama.cpp
+    engine dirs, K 16) and the grammar's own proposals emits exactly what
     constrained plain decoding emits; every output that ended parses and validates."""
     import json
 
@@ -182,7 +183,7 @@ def test_constrained_greedy_speculation_equals_constrained_plain_decoding(engine
         return out, accepted
 
     plain, _ = decode(None, 0)
-    for name, k in (("model", 4), ("ngram", 8), ("grammar", 8)):
+    for name, k in (("model", 4), ("ngram", 8), ("suffix", 16), ("grammar", 8)):
         got, accepted = decode(drafters[name], k)
         assert got == plain, name
         assert accepted > 0, name
