@@ -382,6 +382,7 @@ def test_the_json_extraction_set_reads_as_chat_requests_each_with_a_schema():
 @pytest.mark.parametrize("line, message", [
     ({"messages": USER, "max_tokens": 3}, "max_tokens: a chat request carries only"),
     ({"messages": USER, "response_format": "json"}, "response_format must be an object"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "response_format must be"),
     ({"messages": "hi"}, "a chat request is an object"),
 ])
 def test_a_bad_chat_line_is_refused_naming_its_number_and_the_field(tmp_path, line, message):

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from ..grammar import response_format_guide
 from ..serving.client import (
     MODEL,
     Completion,
@@ -414,10 +415,11 @@ def run_level(url: str, prompts: list, concurrency: int, requests: int, max_toke
             else:
                 r = local.send(prompts[i % len(prompts)], max_tokens,
                                {"response_format": response_format})
+            schema = schema_of(response_format)
             with lock:
                 results.append(r)
-                if schema_of(response_format) is not None:
-                    answers.append((r.text, schema_of(response_format)))
+                if schema is not None:
+                    answers.append((r.text, schema))
         except ServerError as e:  # counted, never raised: the run must finish
             with lock:
                 errors.append(str(e)[:200])
@@ -467,6 +469,10 @@ def read_chat_lines(spec: str | Path) -> list[tuple[list[dict], dict | None]]:
         response_format = request.get("response_format")
         if response_format is not None and not isinstance(response_format, dict):
             raise ValueError(f"{spec}, line {number}: response_format must be an object")
+        try:
+            schema_of(response_format)
+        except ValueError as e:
+            raise ValueError(f"{spec}, line {number}: {e}") from None
         out.append((messages, response_format))
     if not out:
         raise ValueError(f"{spec}: no chat requests (one JSON object per line)")
@@ -484,12 +490,13 @@ def read_chat_requests(spec: str | Path) -> list[list[dict]]:
 
 
 def schema_of(response_format: dict | None) -> dict | None:
-    """The JSON schema an answer must follow: ``json_schema``'s schema, ``{}`` (any JSON
-    value) for ``json_object``, None for text or no response_format."""
-    kind = (response_format or {}).get("type")
-    if kind == "json_schema":
-        return response_format.get("json_schema", {}).get("schema", {})
-    return {} if kind == "json_object" else None
+    """The JSON schema an answer must follow, read as the server reads it
+    (``grammar.response_format_guide``): ``json_schema``'s schema, any JSON object for
+    ``json_object``, None for text or no response_format."""
+    guide = response_format_guide(response_format)
+    if guide is None:
+        return None
+    return json.loads(guide.text) if guide.kind == "json_schema" else {"type": "object"}
 
 
 def valid_answers(answers: list[tuple[str, dict]]) -> int:
